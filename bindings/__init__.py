@@ -1,0 +1,41 @@
+"""Typed, error-checked calls into the CUDA runtime for stream capture and graphs.
+
+A thin layer over ``cuda.bindings.runtime`` (cuda-python): every call checks its
+status and raises :class:`CudaError` with the error's name and text. Streams may
+be given as ``torch.cuda.Stream`` (anything with a ``cuda_stream`` attribute),
+raw integer handles, or ``cudaStream_t``. Nothing here imports torch.
+"""
+
+from bindings.errors import CudaError, check, clear_last_error
+from bindings.streams import stream_handle, synchronize
+from bindings.capture import (
+    CaptureInfo,
+    CaptureMode,
+    CaptureStatus,
+    begin_capture,
+    capture_info,
+    capture_status,
+    end_capture,
+    exchange_capture_mode,
+)
+from bindings.graph import Graph, GraphExec, device_count, launch_function
+
+__all__ = [
+    "CaptureInfo",
+    "CaptureMode",
+    "CaptureStatus",
+    "CudaError",
+    "Graph",
+    "GraphExec",
+    "begin_capture",
+    "capture_info",
+    "capture_status",
+    "check",
+    "clear_last_error",
+    "device_count",
+    "end_capture",
+    "exchange_capture_mode",
+    "launch_function",
+    "stream_handle",
+    "synchronize",
+]

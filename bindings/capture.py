@@ -1,0 +1,93 @@
+"""Stream capture: begin, end, and what a stream is capturing."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from cuda.bindings import runtime as cudart
+
+from bindings.errors import check
+from bindings.graph import Graph
+from bindings.streams import stream_handle
+
+
+class CaptureMode(enum.Enum):
+    """CUDA's stream-capture interaction modes (``cudaStreamCaptureMode``)."""
+
+    GLOBAL = cudart.cudaStreamCaptureMode.cudaStreamCaptureModeGlobal
+    THREAD_LOCAL = cudart.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal
+    RELAXED = cudart.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed
+
+    @classmethod
+    def parse(cls, mode: "CaptureMode | str") -> "CaptureMode":
+        """Accept a member or its name as torch spells it: "global", "thread_local", "relaxed"."""
+        if isinstance(mode, cls):
+            return mode
+        try:
+            return cls[str(mode).upper()]
+        except KeyError:
+            raise ValueError(
+                f"capture_error_mode must be 'global', 'thread_local' or 'relaxed', got {mode!r}"
+            ) from None
+
+
+class CaptureStatus(enum.Enum):
+    """``cudaStreamCaptureStatus``: not capturing, capturing, or invalidated by an error."""
+
+    NONE = cudart.cudaStreamCaptureStatus.cudaStreamCaptureStatusNone
+    ACTIVE = cudart.cudaStreamCaptureStatus.cudaStreamCaptureStatusActive
+    INVALIDATED = cudart.cudaStreamCaptureStatus.cudaStreamCaptureStatusInvalidated
+
+
+@dataclass(frozen=True)
+class CaptureInfo:
+    """What a stream is capturing: status, the capture sequence id, and the
+    nodes the next captured operation would depend on (as integer handles)."""
+
+    status: CaptureStatus
+    capture_id: int = 0
+    dependencies: tuple[int, ...] = ()
+
+
+def begin_capture(stream, mode: CaptureMode | str = CaptureMode.GLOBAL) -> None:
+    """Start capturing ``stream`` into a new graph (``cudaStreamBeginCapture``)."""
+    check(
+        cudart.cudaStreamBeginCapture(stream_handle(stream), CaptureMode.parse(mode).value),
+        "cudaStreamBeginCapture",
+    )
+
+
+def end_capture(stream) -> Graph:
+    """End the capture on ``stream`` and return the captured graph (``cudaStreamEndCapture``).
+
+    An invalidated capture raises ``CudaError`` (``cudaErrorStreamCaptureInvalidated``);
+    the stream has left capture mode either way.
+    """
+    graph = check(cudart.cudaStreamEndCapture(stream_handle(stream)), "cudaStreamEndCapture")
+    return Graph(graph)
+
+
+def capture_status(stream) -> CaptureStatus:
+    """``cudaStreamIsCapturing``."""
+    status = check(cudart.cudaStreamIsCapturing(stream_handle(stream)), "cudaStreamIsCapturing")
+    return CaptureStatus(status)
+
+
+def capture_info(stream) -> CaptureInfo:
+    """``cudaStreamGetCaptureInfo``: status, capture id and current dependency nodes."""
+    values = check(cudart.cudaStreamGetCaptureInfo(stream_handle(stream)), "cudaStreamGetCaptureInfo")
+    status, capture_id, _graph, dependencies = values[0], values[1], values[2], values[3]
+    status = CaptureStatus(status)
+    if status is not CaptureStatus.ACTIVE:
+        return CaptureInfo(status)
+    return CaptureInfo(status, int(capture_id), tuple(int(node) for node in dependencies or ()))
+
+
+def exchange_capture_mode(mode: CaptureMode | str) -> CaptureMode:
+    """Set this thread's capture interaction mode; return the previous one."""
+    previous = check(
+        cudart.cudaThreadExchangeStreamCaptureMode(CaptureMode.parse(mode).value),
+        "cudaThreadExchangeStreamCaptureMode",
+    )
+    return CaptureMode(previous)

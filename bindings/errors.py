@@ -1,0 +1,65 @@
+"""CUDA status codes turned into exceptions that carry the error's name and text."""
+
+from __future__ import annotations
+
+from cuda.bindings import runtime as cudart
+
+_SUCCESS = cudart.cudaError_t.cudaSuccess
+
+
+class CudaError(RuntimeError):
+    """A CUDA runtime call failed.
+
+    ``code`` is the numeric ``cudaError_t``, ``name`` its enum name
+    (``cudaErrorStreamCaptureUnsupported``) and ``text`` CUDA's description.
+    """
+
+    def __init__(self, code: int, call: str = "", context: str = ""):
+        self.code = int(code)
+        self.name = _error_name(code)
+        self.text = _error_text(code)
+        self.call = call
+        where = f"{call}: " if call else ""
+        extra = f" ({context})" if context else ""
+        super().__init__(f"{where}{self.name}: {self.text}{extra}")
+
+
+def _error_name(code: int) -> str:
+    try:
+        err, name = cudart.cudaGetErrorName(cudart.cudaError_t(int(code)))
+    except ValueError:
+        return f"cudaError({int(code)})"
+    return name.decode() if err == _SUCCESS else f"cudaError({int(code)})"
+
+
+def _error_text(code: int) -> str:
+    try:
+        err, text = cudart.cudaGetErrorString(cudart.cudaError_t(int(code)))
+    except ValueError:
+        return "unrecognized error code"
+    return text.decode() if err == _SUCCESS else "unrecognized error code"
+
+
+def check(result, call: str = ""):
+    """Unpack a cuda.bindings result tuple ``(err, *values)``; raise on error.
+
+    Returns ``None`` for no values, the value for one, a tuple for several.
+    """
+    err = result[0]
+    if err != _SUCCESS:
+        clear_last_error()
+        raise CudaError(err, call)
+    if len(result) == 1:
+        return None
+    if len(result) == 2:
+        return result[1]
+    return result[1:]
+
+
+def clear_last_error() -> None:
+    """Consume the runtime's last-error slot so a handled failure is not
+    reported again by the next library that checks ``cudaGetLastError``."""
+    try:
+        cudart.cudaGetLastError()
+    except Exception:  # no driver: nothing to clear
+        pass

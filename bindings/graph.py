@@ -1,0 +1,101 @@
+"""CUDA graphs and executable graphs, each handle destroyed exactly once."""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+from cuda.bindings import runtime as cudart
+
+from bindings.errors import CudaError, check
+from bindings.streams import stream_handle
+
+_SUCCESS = cudart.cudaError_t.cudaSuccess
+
+
+def _destroy_quietly(destroy, handle) -> None:
+    # Runs from a finalizer, possibly at interpreter exit after the context is
+    # gone: a failure here has nobody to report to.
+    try:
+        destroy(handle)
+    except Exception:  # pragma: no cover - interpreter shutdown
+        pass
+
+
+class Graph:
+    """An owned ``cudaGraph_t`` (what a capture produced)."""
+
+    def __init__(self, handle: cudart.cudaGraph_t):
+        self.handle = handle
+        self._finalizer = weakref.finalize(self, _destroy_quietly, cudart.cudaGraphDestroy, handle)
+
+    @property
+    def num_nodes(self) -> int:
+        """Number of nodes in the graph (``cudaGraphGetNodes``)."""
+        _nodes, count = check(cudart.cudaGraphGetNodes(self.handle, 0), "cudaGraphGetNodes")
+        return int(count)
+
+    def instantiate(self, flags: int = 0) -> "GraphExec":
+        """Create an executable graph (``cudaGraphInstantiate``)."""
+        return GraphExec(check(cudart.cudaGraphInstantiate(self.handle, flags), "cudaGraphInstantiate"))
+
+    def to_dot(self, path: str | os.PathLike, verbose: bool = False) -> None:
+        """Write the graph as a Graphviz DOT file (``cudaGraphDebugDotPrint``)."""
+        flags = cudart.cudaGraphDebugDotFlags.cudaGraphDebugDotFlagsVerbose if verbose else 0
+        check(cudart.cudaGraphDebugDotPrint(self.handle, os.fsencode(path), int(flags)), "cudaGraphDebugDotPrint")
+
+    def destroy(self) -> None:
+        """Destroy now rather than at garbage collection; later calls do nothing."""
+        self._finalizer()
+
+    @property
+    def alive(self) -> bool:
+        return self._finalizer.alive
+
+
+class GraphExec:
+    """An owned ``cudaGraphExec_t``."""
+
+    def __init__(self, handle: cudart.cudaGraphExec_t):
+        self.handle = handle
+        self._finalizer = weakref.finalize(self, _destroy_quietly, cudart.cudaGraphExecDestroy, handle)
+
+    def launch(self, stream) -> None:
+        """Launch on ``stream`` (``cudaGraphLaunch``)."""
+        check(cudart.cudaGraphLaunch(self.handle, stream_handle(stream)), "cudaGraphLaunch")
+
+    def upload(self, stream) -> None:
+        """Upload to the device ahead of the first launch (``cudaGraphUpload``)."""
+        check(cudart.cudaGraphUpload(self.handle, stream_handle(stream)), "cudaGraphUpload")
+
+    def update(self, graph: Graph) -> None:
+        """Update node parameters from a topologically identical graph (``cudaGraphExecUpdate``)."""
+        err, info = cudart.cudaGraphExecUpdate(self.handle, graph.handle)
+        if err != _SUCCESS:
+            raise CudaError(err, "cudaGraphExecUpdate", f"update result {info.result!r}")
+
+    def destroy(self) -> None:
+        """Destroy now rather than at garbage collection; later calls do nothing."""
+        self._finalizer()
+
+    @property
+    def alive(self) -> bool:
+        return self._finalizer.alive
+
+
+def launch_function():
+    """The raw ``cudaGraphLaunch(exec_handle, stream_handle) -> (err,)``.
+
+    For replay loops that pre-bind handles and check ``err`` themselves: it
+    skips the per-call conversions of :meth:`GraphExec.launch`.
+    """
+    return cudart.cudaGraphLaunch
+
+
+def device_count() -> int:
+    """Number of CUDA devices; 0 where there is no driver or no device."""
+    try:
+        err, count = cudart.cudaGetDeviceCount()
+    except Exception:
+        return 0
+    return int(count) if err == _SUCCESS else 0

@@ -1,0 +1,34 @@
+"""Stream handles from whatever the caller holds."""
+
+from __future__ import annotations
+
+from cuda.bindings import runtime as cudart
+
+from bindings.errors import check
+
+_HANDLES: dict[int, cudart.cudaStream_t] = {}
+
+
+def stream_handle(stream) -> cudart.cudaStream_t:
+    """Return a ``cudaStream_t`` for ``stream``.
+
+    Accepts a ``cudaStream_t``, an integer handle, or any object with a
+    ``cuda_stream`` integer attribute (``torch.cuda.Stream``). Handles are
+    cached by value, so repeated calls cost a dict lookup.
+    """
+    if isinstance(stream, cudart.cudaStream_t):
+        return stream
+    raw = getattr(stream, "cuda_stream", stream)
+    if not isinstance(raw, int):
+        raise TypeError(
+            f"expected a torch.cuda.Stream, an int handle or a cudaStream_t, got {type(stream).__name__}"
+        )
+    handle = _HANDLES.get(raw)
+    if handle is None:
+        handle = _HANDLES[raw] = cudart.cudaStream_t(raw)
+    return handle
+
+
+def synchronize(stream) -> None:
+    """Wait for all work on ``stream`` (``cudaStreamSynchronize``); errors name the CUDA error."""
+    check(cudart.cudaStreamSynchronize(stream_handle(stream)), "cudaStreamSynchronize")

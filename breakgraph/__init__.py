@@ -1,0 +1,31 @@
+"""breakgraph: breakable CUDA graphs for PyTorch.
+
+One capture region becomes a sequence of CUDA graph segments split by eager
+breaks, so the few parts of a model that cannot be captured run eagerly
+while the rest keeps the launch-overhead savings of graphs.
+"""
+
+from breakgraph.capture import BreakableCUDAGraph, BreakableCUDAGraphCapture
+from breakgraph.context import is_capturing
+from breakgraph.debug import SegmentError
+from breakgraph.dispatch import UncapturableOpError
+from breakgraph.eager import break_graph, eager_on_graph
+from breakgraph.graphed import GraphedCallable, graphed
+from breakgraph.runner import GraphRunner
+from breakgraph.streams import StreamJoinError
+from breakgraph.writeback import WritebackError
+
+__all__ = [
+    "BreakableCUDAGraph",
+    "BreakableCUDAGraphCapture",
+    "GraphRunner",
+    "GraphedCallable",
+    "SegmentError",
+    "StreamJoinError",
+    "UncapturableOpError",
+    "WritebackError",
+    "break_graph",
+    "eager_on_graph",
+    "graphed",
+    "is_capturing",
+]

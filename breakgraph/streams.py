@@ -1,0 +1,217 @@
+"""Fork/join tracking for side streams, so a segment can end inside an overlap region.
+
+A CUDA capture cannot end while a stream forked from it still has unjoined
+work. While a capture is active, ``torch.cuda.Stream.wait_stream`` and
+``torch.cuda.Event.record``/``wait`` are hooked: a side stream that waits on
+a capturing stream is *forked*; the capture stream waiting on it *joins* it.
+Before a segment ends the tracker joins every forked stream that has work
+the capture stream does not wait on yet, and after the next segment begins
+it forks those streams again, so model code keeps using them across a break.
+
+The hooks are installed when the first capture starts and removed when the
+last one ends (reference-counted under a lock). Outside a capture of the
+calling thread they call straight through to torch's methods.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Callable, Protocol
+
+import torch
+
+from bindings import CaptureInfo, CaptureStatus
+from breakgraph.context import current_session
+
+
+class CaptureInfoProvider(Protocol):
+    def __call__(self, stream) -> CaptureInfo: ...
+
+
+class StreamJoinError(RuntimeError):
+    """A side stream cannot be joined back into the capture stream."""
+
+
+def _stream_id(stream) -> int:
+    return stream.cuda_stream
+
+
+class ForkJoinTracker:
+    """Which side streams of one capture are forked and not yet joined.
+
+    ``capture_info`` answers what a stream is capturing (the bindings'
+    ``capture_info`` on a GPU, a fake in the state-machine tests); ``join`` and
+    ``fork`` make the capture stream wait on a side stream and the reverse,
+    bypassing the hooks.
+    """
+
+    def __init__(
+        self,
+        capture_stream,
+        capture_info: CaptureInfoProvider,
+        join: Callable[[object, object], None],
+        fork: Callable[[object, object], None],
+    ):
+        self.capture_stream = capture_stream
+        self._capture_info = capture_info
+        self._join = join
+        self._fork = fork
+        self._capture_id = 0
+        self._streams: dict[int, object] = {}  # every side stream seen this segment
+        self._open: set[int] = set()  # forked, with work not yet joined
+        self._joined_at: dict[int, tuple[int, ...]] = {}  # dependencies when last joined
+        self._carry: list[object] = []  # open at the last segment end: fork again
+        self._recorded_on: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.segment_streams: list[tuple[int, ...]] = []  # per ended segment: side streams that took part
+
+    # -- segment boundaries ---------------------------------------------------
+    def segment_begun(self) -> None:
+        """Fork again the streams that were open when the previous segment ended."""
+        self._capture_id = self._capture_info(self.capture_stream).capture_id
+        carry, self._carry = self._carry, []
+        for stream in carry:
+            self._fork(stream, self.capture_stream)
+            self._note_fork(stream)
+
+    def segment_ending(self) -> tuple[int, ...]:
+        """Join every side stream with unjoined work; return the ids that took part."""
+        took_part = tuple(self._streams)
+        for sid, stream in list(self._streams.items()):
+            info = self._capture_info(stream)
+            if info.status is CaptureStatus.NONE:
+                continue  # never became part of this capture: nothing to join
+            if info.status is CaptureStatus.INVALIDATED:
+                raise StreamJoinError(
+                    f"side stream {sid:#x} was forked from capture stream {_stream_id(self.capture_stream):#x} "
+                    "but its capture was invalidated by an error on that stream; fix the failing "
+                    "operation on the side stream (or run it in an @eager_on_graph function)"
+                )
+            if info.capture_id != self._capture_id:
+                raise StreamJoinError(
+                    f"side stream {sid:#x} is capturing into another capture (id {info.capture_id}) than "
+                    f"capture stream {_stream_id(self.capture_stream):#x} (id {self._capture_id}); "
+                    "a stream can take part in one capture at a time: give each capture its own side streams"
+                )
+            if sid in self._open or self._joined_at.get(sid) != info.dependencies:
+                self._join(self.capture_stream, stream)
+                self._carry.append(stream)
+        self._streams.clear()
+        self._open.clear()
+        self._joined_at.clear()
+        self.segment_streams.append(took_part)
+        return took_part
+
+    # -- what the hooks report -----------------------------------------------
+    def stream_waited(self, waiter, source) -> None:
+        """``waiter`` now waits on the work ``source`` has queued so far."""
+        capture_id = _stream_id(self.capture_stream)
+        waiter_id, source_id = _stream_id(waiter), _stream_id(source)
+        if waiter_id == source_id:
+            return
+        if waiter_id == capture_id:
+            if source_id in self._streams:
+                self._open.discard(source_id)
+                self._joined_at[source_id] = self._capture_info(source).dependencies
+            return
+        if source_id == capture_id or source_id in self._streams:
+            self._note_fork(waiter)
+
+    def event_recorded(self, event, stream) -> None:
+        self._recorded_on[event] = stream
+
+    def event_waited(self, event, stream) -> None:
+        source = self._recorded_on.get(event)
+        if source is not None:
+            self.stream_waited(stream, source)
+
+    def _note_fork(self, stream) -> None:
+        sid = _stream_id(stream)
+        self._streams[sid] = stream
+        self._open.add(sid)
+        self._joined_at.pop(sid, None)
+
+    @property
+    def open_streams(self) -> tuple[int, ...]:
+        return tuple(sorted(self._open))
+
+
+# -- hooks ----------------------------------------------------------------------
+
+_lock = threading.Lock()
+_users = 0
+_originals: dict[tuple[type, str], Callable] = {}
+_quiet = threading.local()  # set while a hooked wait_stream runs its event calls
+
+
+def _tracker():
+    session = current_session()
+    if session is None or not session.segment_open or getattr(_quiet, "active", False):
+        return None  # outside a capture, or inside an eager break: plain torch semantics
+    return session.tracker
+
+
+def _hooked_wait_stream(self, stream):
+    tracker = _tracker()
+    if tracker is None:
+        return _originals[(torch.cuda.Stream, "wait_stream")](self, stream)
+    _quiet.active = True
+    try:
+        _originals[(torch.cuda.Stream, "wait_stream")](self, stream)
+    finally:
+        _quiet.active = False
+    tracker.stream_waited(self, stream)
+
+
+def _hooked_event_record(self, stream=None):
+    original = _originals[(torch.cuda.Event, "record")]
+    tracker = _tracker()
+    if tracker is None:
+        return original(self, stream)
+    stream = torch.cuda.current_stream() if stream is None else stream
+    original(self, stream)
+    tracker.event_recorded(self, stream)
+
+
+def _hooked_event_wait(self, stream=None):
+    original = _originals[(torch.cuda.Event, "wait")]
+    tracker = _tracker()
+    if tracker is None:
+        return original(self, stream)
+    stream = torch.cuda.current_stream() if stream is None else stream
+    original(self, stream)
+    tracker.event_waited(self, stream)
+
+
+_HOOKS = {
+    (torch.cuda.Stream, "wait_stream"): _hooked_wait_stream,
+    (torch.cuda.Event, "record"): _hooked_event_record,
+    (torch.cuda.Event, "wait"): _hooked_event_wait,
+}
+
+
+def install_hooks() -> None:
+    """Install the hooks if this is the first active capture in the process."""
+    global _users
+    with _lock:
+        if _users == 0:
+            for (cls, name), hook in _HOOKS.items():
+                _originals[(cls, name)] = cls.__dict__[name]
+                setattr(cls, name, hook)
+        _users += 1
+
+
+def remove_hooks() -> None:
+    """Put torch's methods back once the last active capture has ended."""
+    global _users
+    with _lock:
+        _users -= 1
+        if _users == 0:
+            for (cls, name), original in _originals.items():
+                setattr(cls, name, original)
+            _originals.clear()
+
+
+def original_wait_stream(waiter, source) -> None:
+    """``waiter.wait_stream(source)`` without passing through the hooks."""
+    (_originals.get((torch.cuda.Stream, "wait_stream")) or torch.cuda.Stream.wait_stream)(waiter, source)

@@ -1,0 +1,114 @@
+"""GraphRunner on a small transformer whose attention is an eager break."""
+
+import random
+
+import pytest
+import torch
+
+import breakgraph as bg
+from breakgraph.demo import TinyTransformer
+from breakgraph.pool import pool_bytes
+from tests.helpers import assert_close
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+MAX = 24
+
+
+def _runner(**kwargs):
+    torch.manual_seed(0)
+    model = TinyTransformer(dim=64, heads=4, layers=2).to(DEV).eval()
+    static = torch.zeros(MAX, 8, 64, device=DEV)
+    with torch.no_grad():
+        runner = bg.GraphRunner(model, static, **kwargs)
+        runner.capture()
+    return model, runner
+
+
+@torch.no_grad()
+def test_random_batches_match_eager_and_padding_does_not_leak(capsys):
+    model, runner = _runner(capture_sizes=[1, 2, 4, 8, 16, 24], pad_value=1e4)
+    captured_err = capsys.readouterr().err
+    assert "breakgraph: capturing" in captured_err  # tqdm's bar
+    rng = random.Random(0)
+    for _ in range(12):
+        n = rng.randint(1, MAX)
+        x = torch.randn(n, 8, 64, device=DEV)
+        out = runner(x)
+        assert out.shape[0] == n
+        assert_close(out, model(x), 1e-4, 1e-4)
+    report = runner.report()
+    assert [row["size"] for row in report["rows"]] == [1, 2, 4, 8, 16, 24]
+    assert all(row["eager_breaks"] == 2 for row in report["rows"])
+    printed = capsys.readouterr().out
+    assert "pool holds" in printed and "capture_ms" in printed
+
+
+@torch.no_grad()
+def test_above_the_largest_size_runs_eagerly():
+    model, runner = _runner(capture_sizes=[1, 4])
+    x = torch.randn(7, 8, 64, device=DEV)
+    assert runner.select(7) is None
+    assert_close(runner(x), model(x), 1e-4, 1e-4)
+    with pytest.raises(ValueError, match="n = 0"):
+        runner(torch.randn(0, 8, 64, device=DEV))
+    with pytest.raises(ValueError, match="does not fit"):
+        runner(torch.randn(2, 9, 64, device=DEV))
+    with pytest.raises(ValueError, match="dtype"):
+        runner(torch.randn(2, 8, 64, device=DEV, dtype=torch.float16))
+
+
+@torch.no_grad()
+def test_clone_returns_independent_outputs():
+    model, runner = _runner(capture_sizes=[4], clone=True)
+    a = runner(torch.randn(3, 8, 64, device=DEV))
+    b_in = torch.randn(3, 8, 64, device=DEV)
+    b = runner(b_in)
+    assert a.data_ptr() != b.data_ptr()
+    assert_close(b, model(b_in), 1e-4, 1e-4)
+
+
+@torch.no_grad()
+def test_shared_pool_is_smaller_than_separate_pools():
+    sizes = [1, 2, 4, 8, 16, 24]
+    _model, shared = _runner(capture_sizes=sizes, progress=False)
+    shared_bytes = pool_bytes(shared.pool)
+    separate = 0
+    for size in sizes:
+        _m, single = _runner(capture_sizes=[size], progress=False)
+        separate += pool_bytes(single.pool)
+    print(f"pool bytes: shared {shared_bytes}, separate pools summed {separate}")
+    assert shared_bytes < separate
+
+
+@torch.no_grad()
+def test_keys_pick_graph_variants_in_priority_order():
+    calls = []
+
+    def fn(x, key):
+        calls.append(key)
+        return x * (2 if key == "uniform" else 3)
+
+    static = torch.zeros(8, 4, device=DEV)
+    runner = bg.GraphRunner(
+        fn,
+        static,
+        capture_sizes={"uniform": [1, 2], "mixed": [1, 2, 4, 8]},
+        keys=["uniform", "mixed"],
+        key_fn=lambda x: ["uniform", "mixed"] if bool((x[:, 0] >= 0).all()) else ["mixed"],
+        progress=False,
+    ).capture()
+    pos = torch.rand(2, 4, device=DEV)
+    assert_close(runner(pos), pos * 2)  # uniform graph preferred
+    pos4 = torch.rand(4, 4, device=DEV)
+    assert_close(runner(pos4), pos4 * 3)  # no uniform graph of 4: falls to mixed
+    neg = -torch.rand(2, 4, device=DEV)
+    assert_close(runner(neg), neg * 3)
+
+
+@torch.no_grad()
+def test_debug_mode_runner_matches_eager():
+    model, runner = _runner(capture_sizes=[2, 4], debug=True, progress=False)
+    x = torch.randn(3, 8, 64, device=DEV)
+    assert_close(runner(x), model(x), 1e-4, 1e-4)
+    assert all(g.num_eager_breaks == 1 and g.num_graphs == 0 for g, _ in runner._graphs.values())

@@ -1,0 +1,177 @@
+"""Side streams forked from the capture stream, joined around breaks, compared with eager."""
+
+import pytest
+import torch
+
+import breakgraph as bg
+from tests.helpers import assert_close, check_against_eager, poison_
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+ORIGINALS = {
+    "wait_stream": torch.cuda.Stream.__dict__["wait_stream"],
+    "record": torch.cuda.Event.__dict__["record"],
+    "wait": torch.cuda.Event.__dict__["wait"],
+}
+
+
+def _originals_back():
+    assert torch.cuda.Stream.__dict__["wait_stream"] is ORIGINALS["wait_stream"]
+    assert torch.cuda.Event.__dict__["record"] is ORIGINALS["record"]
+    assert torch.cuda.Event.__dict__["wait"] is ORIGINALS["wait"]
+
+
+@bg.eager_on_graph
+def attention(q, k):
+    return torch.softmax(q @ k.t() / 8, dim=-1) @ k
+
+
+SIDE = torch.cuda.Stream() if torch.cuda.is_available() else None
+SIDE2 = torch.cuda.Stream() if torch.cuda.is_available() else None
+
+
+def gate_overlapping_attention(x, w):
+    """The side stream computes a gate while the main stream's attention is a break."""
+    main = torch.cuda.current_stream()
+    SIDE.wait_stream(main)  # fork
+    with torch.cuda.stream(SIDE):
+        gate = torch.sigmoid(x @ w)
+    y = attention(x, x)  # break while SIDE is still forked
+    with torch.cuda.stream(SIDE):
+        gate = gate * 2  # keeps using the side stream after the break
+    main.wait_stream(SIDE)  # join
+    return y * gate
+
+
+def test_break_inside_an_overlap_region():
+    w = torch.randn(32, 32, device=DEV) / 6
+    graph, _ = check_against_eager(gate_overlapping_attention, [torch.randn(16, 32, device=DEV), w], atol=1e-4, rtol=1e-4)
+    graph_segments = [s for s in graph.segments if s.kind == "graph"]
+    assert graph_segments[0].side_streams == (SIDE.cuda_stream,)
+    assert SIDE.cuda_stream in graph_segments[1].side_streams
+    _originals_back()
+
+
+def fork_join_with_events(x, w):
+    main = torch.cuda.current_stream()
+    forked = torch.cuda.Event()
+    forked.record(main)
+    SIDE.wait_event(forked)
+    with torch.cuda.stream(SIDE):
+        h = torch.relu(x @ w)
+        done = torch.cuda.Event()
+        done.record()
+    y = attention(x, x)
+    main.wait_event(done)
+    return y + h
+
+
+def test_fork_join_by_events():
+    w = torch.randn(32, 32, device=DEV)
+    check_against_eager(fork_join_with_events, [torch.randn(16, 32, device=DEV), w], atol=1e-4, rtol=1e-4)
+    _originals_back()
+
+
+def mixed(x, w):
+    main = torch.cuda.current_stream()
+    SIDE.wait_stream(main)
+    with torch.cuda.stream(SIDE):
+        a = x @ w
+        ev = SIDE.record_event()
+    SIDE2.wait_event(ev)  # SIDE2 forked from SIDE, itself forked from main
+    with torch.cuda.stream(SIDE2):
+        b = torch.tanh(a)
+    y = attention(x, x)
+    main.wait_stream(SIDE)
+    main.wait_stream(SIDE2)
+    return y + a + b
+
+
+def test_mixed_wait_stream_and_events_across_two_side_streams():
+    graph, _ = check_against_eager(mixed, [torch.randn(16, 32, device=DEV), torch.randn(32, 32, device=DEV) / 6], atol=1e-4, rtol=1e-4)
+    first = next(s for s in graph.segments if s.kind == "graph")
+    assert set(first.side_streams) == {SIDE.cuda_stream, SIDE2.cuda_stream}
+
+
+def two_sides_one_joined(x):
+    main = torch.cuda.current_stream()
+    SIDE.wait_stream(main)
+    SIDE2.wait_stream(main)
+    with torch.cuda.stream(SIDE):
+        a = x * 2
+    with torch.cuda.stream(SIDE2):
+        b = x + 3
+    main.wait_stream(SIDE)  # only SIDE is joined before the break
+    y = attention(x + a, x)
+    main.wait_stream(SIDE2)
+    return y + b
+
+
+def test_two_side_streams_only_one_joined_before_a_break():
+    check_against_eager(two_sides_one_joined, [torch.randn(16, 32, device=DEV)], atol=1e-4, rtol=1e-4)
+
+
+def fork_join_fork(x):
+    main = torch.cuda.current_stream()
+    SIDE.wait_stream(main)
+    with torch.cuda.stream(SIDE):
+        a = x.exp()
+    main.wait_stream(SIDE)
+    c = a * 2
+    SIDE.wait_stream(main)
+    with torch.cuda.stream(SIDE):
+        b = c.sin()
+    y = attention(x, x)
+    main.wait_stream(SIDE)
+    return y + b
+
+
+def test_fork_join_fork_again_before_a_break():
+    check_against_eager(fork_join_fork, [torch.randn(16, 32, device=DEV)], atol=1e-4, rtol=1e-4)
+
+
+def left_unjoined(x, out):
+    main = torch.cuda.current_stream()
+    y = attention(x, x) + 1
+    SIDE.wait_stream(main)
+    with torch.cuda.stream(SIDE):
+        out.copy_(y * 3)  # never joined by the model
+    return y
+
+
+def test_side_stream_left_unjoined_at_capture_end_is_joined():
+    x, out = torch.randn(16, 32, device=DEV), torch.zeros(16, 32, device=DEV)
+    graph = bg.BreakableCUDAGraph()
+    with bg.BreakableCUDAGraphCapture(graph):
+        y = left_unjoined(x, out)
+    for _ in range(2):
+        fresh = torch.randn_like(x)
+        x.copy_(fresh)
+        poison_((out, y))
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = attention(fresh, fresh) + 1
+        assert_close(y, expected, 1e-4, 1e-4)
+        assert_close(out, expected * 3, 1e-4, 1e-4)
+    _originals_back()
+
+
+def test_original_methods_restored_after_failed_capture():
+    with pytest.raises(ZeroDivisionError):
+        with bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph()):
+            SIDE.wait_stream(torch.cuda.current_stream())
+            assert torch.cuda.Stream.__dict__["wait_stream"] is not ORIGINALS["wait_stream"]
+            1 / 0
+    _originals_back()
+    # The side stream is usable again, and the next capture with it works.
+    test_break_inside_an_overlap_region()
+
+
+def test_hooks_pass_through_outside_capture():
+    a = torch.randn(1000, device=DEV)
+    SIDE.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(SIDE):
+        b = a * 2
+    torch.cuda.current_stream().wait_stream(SIDE)
+    assert_close(b, a * 2)
+    _originals_back()

@@ -1,0 +1,205 @@
+"""Training steps, autograd breaks, AMP and random ops under breakable capture."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import breakgraph as bg
+from tests.helpers import assert_close, poison_
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+def _net(dropout: float) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(dropout), nn.Linear(64, 8)).to(DEV)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_whole_training_step_matches_eager_sgd(dropout):
+    model, reference = _net(dropout), _net(dropout)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    loss_fn = nn.MSELoss()
+    x, y = torch.randn(16, 32, device=DEV), torch.randn(16, 8, device=DEV)
+
+    # Warm up on a side stream, as with torch.cuda.graph (lazy init, grad buffers).
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for net, o in ((model, opt), (reference, ref_opt)):
+            o.zero_grad(set_to_none=True)
+            loss_fn(net(x), y).backward()
+            o.step()
+    torch.cuda.current_stream().wait_stream(side)
+
+    graph = bg.BreakableCUDAGraph()
+    opt.zero_grad(set_to_none=True)
+    with bg.BreakableCUDAGraphCapture(graph):
+        loss = loss_fn(model(x), y)
+        bg.break_graph()  # between forward and backward
+        loss.backward()
+        opt.step()
+    # Capture only records the graph parts, so parameters start equal for both.
+    reference.load_state_dict(model.state_dict())
+
+    for _ in range(3):
+        fresh_x, fresh_y = torch.randn_like(x), torch.randn_like(y)
+        x.copy_(fresh_x), y.copy_(fresh_y)
+        state = torch.cuda.get_rng_state()
+        graph.replay()
+        torch.cuda.set_rng_state(state)  # the reference draws the same dropout masks
+        ref_opt.zero_grad(set_to_none=True)
+        ref_loss = loss_fn(reference(fresh_x), fresh_y)
+        ref_loss.backward()
+        ref_opt.step()
+        torch.cuda.synchronize()
+        assert_close(loss, ref_loss, 1e-5, 1e-5)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert_close(p, q, 1e-5, 1e-5)
+    if dropout:
+        assert any("dropout" in s.name for s in graph.segments)
+
+
+class BreakFunction(torch.autograd.Function):
+    """Forward and backward each run an eager break."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        y = _forward_break(x, w)
+        ctx.save_for_backward(x, w, y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w, y = ctx.saved_tensors
+        return _backward_break(grad, x, w, y)
+
+
+@bg.eager_on_graph
+def _forward_break(x, w):
+    return torch.tanh(x @ w)
+
+
+@bg.eager_on_graph
+def _backward_break(grad, x, w, y):
+    g = grad * (1 - y * y)
+    return g @ w.t(), x.t() @ g
+
+
+def test_custom_autograd_function_with_breaks_in_forward_and_backward():
+    torch.manual_seed(1)
+    w = torch.randn(16, 16, device=DEV, requires_grad=True)
+    lin = nn.Linear(16, 16, device=DEV)
+    x = torch.randn(8, 16, device=DEV)
+
+    def step(inp):
+        out = lin(BreakFunction.apply(lin(inp), w)).sum()
+        out.backward()
+        return out
+
+    step(x)  # warm up
+    w.grad = None
+    lin.zero_grad(set_to_none=True)
+    graph = bg.BreakableCUDAGraph()
+    with bg.BreakableCUDAGraphCapture(graph):
+        loss = step(x)
+    names = [s.name for s in graph.segments if s.kind == "eager"]
+    assert any("_forward_break" in n for n in names) and any("_backward_break" in n for n in names)
+    grads = (w.grad, lin.weight.grad)
+    for _ in range(2):
+        fresh = torch.randn_like(x)
+        x.copy_(fresh)
+        poison_(grads), poison_(loss)
+        graph.replay()
+        w_ref, lin_ref = w.detach().clone().requires_grad_(), copy.deepcopy(lin)
+        lin_ref.zero_grad(set_to_none=True)
+        ref = lin_ref(torch.tanh(lin_ref(fresh) @ w_ref)).sum()
+        ref.backward()
+        assert_close(loss, ref, 1e-4, 1e-4)
+        assert_close(w.grad, w_ref.grad, 1e-4, 1e-4)
+        assert_close(lin.weight.grad, lin_ref.weight.grad, 1e-4, 1e-4)
+
+
+def test_break_with_autograd_history_is_refused():
+    @bg.eager_on_graph
+    def differentiable(x):
+        return x.exp() * 2
+
+    w = torch.randn(4, device=DEV, requires_grad=True)
+    with pytest.raises(RuntimeError, match="autograd.Function"):
+        with bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph()):
+            differentiable(w * 2)
+    assert not bg.is_capturing()
+
+
+def test_amp_autocast_inside_capture():
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)).to(DEV)
+
+    @bg.eager_on_graph
+    def norm(h):
+        return h / h.float().norm(dim=-1, keepdim=True).to(h.dtype)
+
+    def fn(x):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            h = model[0](x)
+            h = norm(model[1](h))
+            return model[2](h)
+
+    x = torch.randn(8, 64, device=DEV)
+    with torch.no_grad():
+        fn(x)
+        graph = bg.BreakableCUDAGraph()
+        with bg.BreakableCUDAGraphCapture(graph):
+            out = fn(x)
+        assert out.dtype == torch.bfloat16
+        for _ in range(2):
+            fresh = torch.randn_like(x)
+            x.copy_(fresh)
+            poison_(out)
+            graph.replay()
+            assert_close(out, fn(fresh), 1e-2, 1e-2)
+
+
+def test_random_ops_draw_fresh_numbers_every_replay():
+    graph = bg.BreakableCUDAGraph()
+    x = torch.ones(200_000, device=DEV)
+    with bg.BreakableCUDAGraphCapture(graph):
+        noise = torch.randn(200_000, device=DEV)
+        dropped = torch.nn.functional.dropout(x, p=0.25, training=True)
+        out = noise * 2 + 1
+    assert any("randn" in s.name for s in graph.segments)
+    draws = []
+    for _ in range(3):
+        poison_((out, dropped))
+        graph.replay()
+        torch.cuda.synchronize()
+        draws.append((out.clone(), dropped.clone()))
+        assert abs(out.mean().item() - 1) < 0.02 and abs(out.std().item() - 2) < 0.02
+        zero_fraction = (dropped == 0).float().mean().item()
+        assert abs(zero_fraction - 0.25) < 0.01
+        kept = dropped[dropped != 0]
+        assert torch.allclose(kept, torch.full_like(kept, 1 / 0.75))
+    assert not torch.equal(draws[0][0], draws[1][0]) and not torch.equal(draws[1][0], draws[2][0])
+    assert not torch.equal(draws[0][1], draws[1][1])
+
+
+def test_in_place_random_op_writes_the_captured_buffer():
+    graph = bg.BreakableCUDAGraph()
+    buf = torch.empty(10_000, device=DEV)
+    with bg.BreakableCUDAGraphCapture(graph):
+        buf.uniform_(0, 1)
+        out = buf * 10
+    seen = []
+    for _ in range(2):
+        poison_(out)
+        graph.replay()
+        assert 0 <= out.min().item() and out.max().item() <= 10
+        assert_close(out, buf * 10)
+        seen.append(out.clone())
+    assert not torch.equal(seen[0], seen[1])
+    assert graph.segments[0].bytes_written == 0  # uniform_ returned the captured buffer itself

@@ -1,0 +1,58 @@
+"""Shared checks: compare replay with eager on fresh random inputs, with poisoned outputs."""
+
+from __future__ import annotations
+
+import torch
+
+import breakgraph as bg
+
+
+def poison_(value) -> None:
+    """Fill every floating tensor in ``value`` with NaN so an unwritten buffer shows."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point():
+            value.fill_(float("nan"))
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            poison_(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            poison_(item)
+
+
+def assert_close(actual, expected, atol=1e-5, rtol=1e-5) -> None:
+    if isinstance(expected, torch.Tensor):
+        torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected)
+        for a, e in zip(actual, expected):
+            assert_close(a, e, atol, rtol)
+    elif isinstance(expected, dict):
+        assert actual.keys() == expected.keys()
+        for key in expected:
+            assert_close(actual[key], expected[key], atol, rtol)
+    else:
+        assert actual == expected
+
+
+def check_against_eager(fn, static_inputs, trials: int = 3, atol=1e-5, rtol=1e-5, **capture_kwargs):
+    """Capture ``fn(*static_inputs)``, then for fresh random inputs compare replay with eager.
+
+    Returns the graph. Outputs are poisoned before every replay.
+    """
+    graph = bg.BreakableCUDAGraph()
+    with torch.no_grad():
+        for _ in range(1):  # warm up library handles outside the capture
+            fn(*static_inputs)
+        torch.cuda.synchronize()
+        with bg.BreakableCUDAGraphCapture(graph, **capture_kwargs):
+            out = fn(*static_inputs)
+        for _ in range(trials):
+            fresh = [torch.randn_like(x) for x in static_inputs]
+            for static, new in zip(static_inputs, fresh):
+                static.copy_(new)
+            poison_(out)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert_close(out, fn(*fresh), atol, rtol)
+    return graph, out
