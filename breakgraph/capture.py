@@ -9,6 +9,7 @@ whole capture, eager breaks included.
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
 import threading
 import weakref
@@ -275,6 +276,34 @@ def _argument_addresses(function: Callable, args: tuple, kwargs: dict):
     )
 
 
+_gc_lock = threading.Lock()
+_gc_holds = 0
+_gc_was_enabled = False
+
+
+def _pause_gc() -> None:
+    """Keep Python's cycle collector from running during any capture.
+
+    A collection mid-capture can destroy an unrelated ``MemPool`` whose
+    destructor frees device memory, which CUDA forbids while a stream is
+    capturing (the process aborts). Reference-counted across threads.
+    """
+    global _gc_holds, _gc_was_enabled
+    with _gc_lock:
+        if _gc_holds == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_holds += 1
+
+
+def _resume_gc() -> None:
+    global _gc_holds
+    with _gc_lock:
+        _gc_holds -= 1
+        if _gc_holds == 0 and _gc_was_enabled:
+            gc.enable()
+
+
 _capture_streams = threading.local()
 
 
@@ -355,6 +384,8 @@ class BreakableCUDAGraphCapture:
             exit_stack.enter_context(torch.cuda.use_mem_pool(self.graph.pool, stream.device))
             # Backward passes run on this thread, so their breaks and allocations are ours.
             exit_stack.enter_context(torch.autograd.set_multithreading_enabled(False))
+            _pause_gc()
+            exit_stack.callback(_resume_gc)
             streams.install_hooks()
             exit_stack.callback(streams.remove_hooks)
             exit_stack.callback(context.deactivate, context.activate(session))
