@@ -58,6 +58,7 @@ class ForkJoinTracker:
         self._join = join
         self._fork = fork
         self._capture_id = 0
+        self._segment_number = 0
         self._streams: dict[int, object] = {}  # every side stream seen this segment
         self._open: set[int] = set()  # forked, with work not yet joined
         self._joined_at: dict[int, tuple[int, ...]] = {}  # dependencies when last joined
@@ -69,6 +70,7 @@ class ForkJoinTracker:
     def segment_begun(self) -> None:
         """Fork again the streams that were open when the previous segment ended."""
         self._capture_id = self._capture_info(self.capture_stream).capture_id
+        self._segment_number += 1
         carry, self._carry = self._carry, []
         for stream in carry:
             self._fork(stream, self.capture_stream)
@@ -103,27 +105,47 @@ class ForkJoinTracker:
         return took_part
 
     # -- what the hooks report -----------------------------------------------
-    def stream_waited(self, waiter, source) -> None:
-        """``waiter`` now waits on the work ``source`` has queued so far."""
-        capture_id = _stream_id(self.capture_stream)
+    def stream_waited(self, waiter, source, source_info: CaptureInfo | None = None) -> None:
+        """``waiter`` now waits on ``source``'s work (as of ``source_info``, default: now)."""
+        info = self._capture_info(source) if source_info is None else source_info
+        if info.status is not CaptureStatus.ACTIVE or info.capture_id != self._capture_id:
+            return  # source is not part of this capture: nothing forks or joins
         waiter_id, source_id = _stream_id(waiter), _stream_id(source)
         if waiter_id == source_id:
             return
-        if waiter_id == capture_id:
+        if waiter_id == _stream_id(self.capture_stream):
             if source_id in self._streams:
                 self._open.discard(source_id)
-                self._joined_at[source_id] = self._capture_info(source).dependencies
+                self._joined_at[source_id] = info.dependencies
             return
-        if source_id == capture_id or source_id in self._streams:
-            self._note_fork(waiter)
+        self._note_fork(waiter)
 
     def event_recorded(self, event, stream) -> None:
-        self._recorded_on[event] = stream
+        info = self._capture_info(stream)
+        if info.status is CaptureStatus.ACTIVE and info.capture_id == self._capture_id:
+            self._recorded_on[event] = (stream, self._segment_number, info)
+        else:
+            self._recorded_on.pop(event, None)
+
+    def recorded_in_earlier_segment(self, event) -> bool:
+        """The event belongs to a capture that has ended: CUDA cannot wait on it
+        inside this one, and by replay order its work is already done."""
+        entry = self._recorded_on.get(event)
+        return entry is not None and entry[1] != self._segment_number
+
+    def waited_on_earlier_segment(self, stream) -> None:
+        """Stand-in for waiting on an event of an earlier segment: that work has
+        finished before this segment starts, so ``stream`` only needs to follow
+        the capture stream."""
+        if _stream_id(stream) != _stream_id(self.capture_stream):
+            self._fork(stream, self.capture_stream)
+            self._note_fork(stream)
 
     def event_waited(self, event, stream) -> None:
-        source = self._recorded_on.get(event)
-        if source is not None:
-            self.stream_waited(stream, source)
+        entry = self._recorded_on.get(event)
+        if entry is not None:
+            source, _segment, info = entry
+            self.stream_waited(stream, source, info)
 
     def _note_fork(self, stream) -> None:
         sid = _stream_id(stream)
@@ -179,6 +201,9 @@ def _hooked_event_wait(self, stream=None):
     if tracker is None:
         return original(self, stream)
     stream = torch.cuda.current_stream() if stream is None else stream
+    if tracker.recorded_in_earlier_segment(self):
+        tracker.waited_on_earlier_segment(stream)
+        return
     original(self, stream)
     tracker.event_waited(self, stream)
 

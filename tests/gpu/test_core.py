@@ -408,6 +408,8 @@ def test_concurrent_captures_in_two_threads():
             x = torch.randn(128, 128, device=DEV)
             with torch.cuda.stream(stream):
                 x = x + 0
+                x @ x  # cuBLAS handles are per thread: create this thread's outside the capture
+            stream.synchronize()
             barrier.wait()
             with bg.BreakableCUDAGraphCapture(graph, stream=stream, capture_error_mode="thread_local"):
                 barrier.wait()  # both threads are capturing now

@@ -34,7 +34,7 @@ def test_debug_mode_matches_normal_mode_and_eager():
     normal = bg.graphed(model, x, w)
     debug = bg.graphed(model, x, w, debug=True)
     assert debug.graph.num_graphs == 0 and debug.graph.num_eager_breaks == 1
-    assert normal.graph.num_graphs == 2
+    assert normal.graph.num_graphs == 3 and normal.graph.num_eager_breaks == 2
     for _ in range(3):
         fresh = torch.randn_like(x)
         x.copy_(fresh)
@@ -108,7 +108,7 @@ def test_to_dot_writes_files_graphviz_parses(tmp_path):
     g = bg.graphed(model, x, w)
     paths = g.graph.to_dot(tmp_path, render=False)
     dots = sorted(p.name for p in paths)
-    assert dots == ["overview.dot", "segment_0.dot", "segment_2.dot"]
+    assert dots == ["overview.dot", "segment_0.dot", "segment_2.dot", "segment_4.dot"]
     for path in paths:
         text = path.read_text()
         assert text.lstrip().startswith("digraph") and text.count("{") == text.count("}")

@@ -1,0 +1,189 @@
+"""State-machine tests of the fork/join tracker against a simulated CUDA capture (no GPU)."""
+
+import itertools
+
+import hypothesis.strategies as st
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from bindings import CaptureInfo, CaptureStatus
+from breakgraph.streams import ForkJoinTracker
+
+
+class FakeStream:
+    def __init__(self, handle):
+        self.cuda_stream = handle
+
+    def __repr__(self):
+        return f"S{self.cuda_stream:#x}"
+
+
+class FakeEvent:
+    pass
+
+
+class SimulatedCapture:
+    """CUDA's capture rules, small: nodes, per-stream dependency frontiers, joins."""
+
+    def __init__(self, origin):
+        self.origin = origin
+        self.capture_id = 0
+        self.ids = itertools.count(1)
+        self.start()
+
+    def start(self):
+        self.capture_id += 1
+        self.parents = {}  # node -> parents
+        self.frontier = {self.origin.cuda_stream: frozenset()}  # capturing streams only
+
+    def capturing(self, stream):
+        return stream.cuda_stream in self.frontier
+
+    def info(self, stream):
+        if not self.capturing(stream):
+            return CaptureInfo(CaptureStatus.NONE)
+        return CaptureInfo(CaptureStatus.ACTIVE, self.capture_id, tuple(sorted(self.frontier[stream.cuda_stream])))
+
+    def launch(self, stream):
+        if self.capturing(stream):
+            node = next(self.ids)
+            self.parents[node] = self.frontier[stream.cuda_stream]
+            self.frontier[stream.cuda_stream] = frozenset({node})
+
+    def wait(self, waiter, deps, source_capturing):
+        if source_capturing:
+            current = self.frontier.get(waiter.cuda_stream, frozenset())
+            self.frontier[waiter.cuda_stream] = current | deps
+
+    def wait_stream(self, waiter, source):
+        self.wait(waiter, self.frontier.get(source.cuda_stream, frozenset()), self.capturing(source))
+
+    def ancestors(self, nodes):
+        seen, todo = set(), list(nodes)
+        while todo:
+            node = todo.pop()
+            if node not in seen:
+                seen.add(node)
+                todo.extend(self.parents[node])
+        return seen
+
+    def unjoined(self):
+        """Nodes the origin stream does not (transitively) wait on: cudaErrorStreamCaptureUnjoined."""
+        return set(self.parents) - self.ancestors(self.frontier[self.origin.cuda_stream])
+
+
+class TrackerMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.main = FakeStream(0x100)
+        self.sides = [FakeStream(0x200 + i) for i in range(3)]
+        self.sim = SimulatedCapture(self.main)
+        self.joins = []
+        self.tracker = ForkJoinTracker(self.main, self.sim.info, join=self._join, fork=self._fork)
+        self.tracker.segment_begun()
+        self.events = {}
+
+    def _join(self, capture_stream, side):
+        assert capture_stream is self.main
+        self.joins.append(side.cuda_stream)
+        self.sim.wait_stream(capture_stream, side)
+
+    def _fork(self, side, capture_stream):
+        self.sim.wait_stream(side, capture_stream)
+
+    streams = st.integers(0, 3)
+
+    def stream(self, i):
+        return self.main if i == 3 else self.sides[i]
+
+    # The hooks' behaviour, replayed against the simulation.
+    def wait_stream(self, waiter, source):
+        self.sim.wait_stream(waiter, source)
+        self.tracker.stream_waited(waiter, source)
+
+    @rule(i=streams)
+    def launch(self, i):
+        self.sim.launch(self.stream(i))
+
+    @rule(i=st.integers(0, 2))
+    def fork(self, i):
+        self.wait_stream(self.sides[i], self.main)
+
+    @rule(i=st.integers(0, 2))
+    def join(self, i):
+        self.wait_stream(self.main, self.sides[i])
+
+    @rule(i=st.integers(0, 2), j=st.integers(0, 2))
+    def chain(self, i, j):
+        self.wait_stream(self.sides[i], self.sides[j])
+
+    @rule(i=streams, name=st.integers(0, 2))
+    def record_event(self, i, name):
+        stream = self.stream(i)
+        event = self.events.setdefault(name, FakeEvent())  # re-recording replaces what it stood for
+        event.deps = self.sim.frontier.get(stream.cuda_stream, frozenset())
+        event.capturing = self.sim.capturing(stream)
+        self.tracker.event_recorded(event, stream)
+
+    @precondition(lambda self: self.events)
+    @rule(i=streams, name=st.integers(0, 2))
+    def wait_event(self, i, name):
+        event = self.events.get(name)
+        if event is None:
+            return
+        stream = self.stream(i)
+        if self.tracker.recorded_in_earlier_segment(event):
+            self.tracker.waited_on_earlier_segment(stream)
+            return
+        self.sim.wait(stream, event.deps, event.capturing)
+        self.tracker.event_waited(event, stream)
+
+    @rule()
+    def segment_boundary(self):
+        self.joins.clear()
+        self.tracker.segment_ending()
+        assert not self.sim.unjoined(), "a forked stream was left unjoined at the segment end"
+        assert len(self.joins) == len(set(self.joins)), f"duplicate joins {self.joins}"
+        self.sim.start()
+        self.tracker.segment_begun()
+
+    @invariant()
+    def open_streams_are_capturing(self):
+        for sid in self.tracker.open_streams:
+            assert sid in self.sim.frontier
+
+
+TrackerMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+test_tracker_state_machine = TrackerMachine.TestCase
+
+
+def test_carried_stream_is_forked_again_after_the_break():
+    main, side = FakeStream(1), FakeStream(2)
+    sim = SimulatedCapture(main)
+    forks = []
+    tracker = ForkJoinTracker(main, sim.info, join=lambda c, s: sim.wait_stream(c, s), fork=lambda s, c: (forks.append(s), sim.wait_stream(s, c)))
+    tracker.segment_begun()
+    sim.wait_stream(side, main)
+    tracker.stream_waited(side, main)
+    sim.launch(side)
+    assert tracker.segment_ending() == (2,)
+    assert not sim.unjoined()
+    sim.start()
+    tracker.segment_begun()
+    assert forks == [side] and sim.capturing(side)
+    assert tracker.segment_streams == [(2,)]
+
+
+def test_joined_stream_without_new_work_is_not_joined_again():
+    main, side = FakeStream(1), FakeStream(2)
+    sim = SimulatedCapture(main)
+    joins = []
+    tracker = ForkJoinTracker(main, sim.info, join=lambda c, s: joins.append(s), fork=lambda s, c: None)
+    tracker.segment_begun()
+    sim.wait_stream(side, main)
+    tracker.stream_waited(side, main)
+    sim.launch(side)
+    sim.wait_stream(main, side)
+    tracker.stream_waited(main, side)
+    tracker.segment_ending()
+    assert joins == []
