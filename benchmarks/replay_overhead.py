@@ -1,0 +1,153 @@
+"""Replay overhead per segment: N tiny-kernel segments with no-op breaks between them.
+
+Variants, all in one run: eager; one monolithic torch.cuda.graph (no breaks);
+one torch.cuda.CUDAGraph per segment replayed in a Python loop (how vLLM,
+SGLang and Meta's library replay); a bare cudaGraphLaunch loop over
+cuda.bindings executables (the floor, no break calls); breakgraph replay().
+
+    python benchmarks/replay_overhead.py [--quick] [--out results]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import bindings
+import breakgraph as bg
+from benchmarks.common import device_meta, time_per_call_us, write_outputs
+
+
+@bg.eager_on_graph
+def noop():
+    return None
+
+
+def step(x):
+    x.add_(1)
+
+
+def build_variants(n: int, x: torch.Tensor):
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step(x)  # warm up
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+
+    def eager():
+        for _ in range(n):
+            step(x)
+            noop()
+
+    mono = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(mono):
+        for _ in range(n):
+            step(x)
+
+    per_segment = []
+    pool = torch.cuda.graph_pool_handle()
+    for _ in range(n):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool):
+            step(x)
+        per_segment.append(g)
+
+    def torch_per_segment():
+        for g in per_segment:
+            g.replay()
+            noop()
+
+    execs = []
+    with torch.cuda.stream(stream):
+        for _ in range(n):
+            bindings.begin_capture(stream)
+            step(x)
+            execs.append(bindings.end_capture(stream).instantiate())
+    torch.cuda.synchronize()
+    handles = [e.handle for e in execs]
+    launch = bindings.launch_function()
+
+    def floor():
+        s = bindings.stream_handle(torch.cuda.current_stream())
+        for h in handles:
+            launch(h, s)
+
+    graph = bg.BreakableCUDAGraph()
+    with bg.BreakableCUDAGraphCapture(graph):
+        for _ in range(n):
+            step(x)
+            noop()
+    assert graph.num_graphs == n and graph.num_eager_breaks == n
+    return {
+        "eager": eager,
+        "torch monolithic graph": mono.replay,
+        "torch CUDAGraph per segment": torch_per_segment,
+        "bare cudaGraphLaunch loop": floor,
+        "breakgraph replay": graph.replay,
+    }, (mono, per_segment, execs, graph)
+
+
+def check(variants, n, x):
+    for name, run in variants.items():
+        x.zero_()
+        run()
+        torch.cuda.synchronize()
+        assert torch.all(x == n), f"{name}: wrong result {x[0].item()} != {n}"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small smoke run")
+    parser.add_argument("--out", default="results")
+    args = parser.parse_args(argv)
+    sizes = [8, 64] if args.quick else [8, 64, 256]
+    iters = 20 if args.quick else 200
+    rows = []
+    for n in sizes:
+        x = torch.zeros(256, device="cuda")
+        variants, keep = build_variants(n, x)
+        check(variants, n, x)
+        us = {name: time_per_call_us(run, iters) / n for name, run in variants.items()}
+        floor, ours, torch_seg = us["bare cudaGraphLaunch loop"], us["breakgraph replay"], us["torch CUDAGraph per segment"]
+        for name, value in us.items():
+            rows.append({"segments": n, "variant": name, "us_per_segment": round(value, 3)})
+        rows.append(
+            {
+                "segments": n,
+                "variant": "ratios",
+                "us_per_segment": f"breakgraph/floor {ours / floor:.2f}x; torch-per-segment/breakgraph {torch_seg / ours:.2f}x",
+            }
+        )
+        del keep
+    out = write_outputs("replay_overhead", rows, ["segments", "variant", "us_per_segment"], args.out, device_meta())
+    plot(rows, out / "replay_overhead.png")
+    print(f"wrote {out / 'replay_overhead.json'} and {out / 'replay_overhead.png'}")
+    return 0
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = [r for r in rows if r["variant"] != "ratios"]
+    variants = list(dict.fromkeys(r["variant"] for r in data))
+    sizes = sorted({r["segments"] for r in data})
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(variants)
+    for i, variant in enumerate(variants):
+        values = [next(r["us_per_segment"] for r in data if r["variant"] == variant and r["segments"] == n) for n in sizes]
+        ax.bar([j + i * width for j in range(len(sizes))], values, width, label=variant)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sizes))], [f"{n} segments" for n in sizes])
+    ax.set_ylabel("µs per segment (lower is better)")
+    ax.set_title(f"Replay overhead per segment ({torch.cuda.get_device_name()})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
