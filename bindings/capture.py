@@ -77,8 +77,7 @@ def capture_status(stream) -> CaptureStatus:
 def capture_info(stream) -> CaptureInfo:
     """``cudaStreamGetCaptureInfo``: status, capture id and current dependency nodes."""
     values = check(cudart.cudaStreamGetCaptureInfo(stream_handle(stream)), "cudaStreamGetCaptureInfo")
-    status, capture_id, _graph, dependencies = values[0], values[1], values[2], values[3]
-    status = CaptureStatus(status)
+    status, capture_id, dependencies = CaptureStatus(values[0]), values[1], values[3]
     if status is not CaptureStatus.ACTIVE:
         return CaptureInfo(status)
     return CaptureInfo(status, int(capture_id), tuple(int(node) for node in dependencies or ()))

@@ -177,11 +177,7 @@ def _hooked_wait_stream(self, stream):
     tracker = _tracker()
     if tracker is None:
         return _originals[(torch.cuda.Stream, "wait_stream")](self, stream)
-    _quiet.active = True
-    try:
-        _originals[(torch.cuda.Stream, "wait_stream")](self, stream)
-    finally:
-        _quiet.active = False
+    original_wait_stream(self, stream)
     tracker.stream_waited(self, stream)
 
 
@@ -238,5 +234,10 @@ def remove_hooks() -> None:
 
 
 def original_wait_stream(waiter, source) -> None:
-    """``waiter.wait_stream(source)`` without passing through the hooks."""
-    (_originals.get((torch.cuda.Stream, "wait_stream")) or torch.cuda.Stream.wait_stream)(waiter, source)
+    """``waiter.wait_stream(source)`` with no bookkeeping by the hooks (torch
+    implements it with an event record and wait, which are hooked too)."""
+    _quiet.active = True
+    try:
+        (_originals.get((torch.cuda.Stream, "wait_stream")) or torch.cuda.Stream.wait_stream)(waiter, source)
+    finally:
+        _quiet.active = False

@@ -8,7 +8,6 @@ import textwrap
 import pytest
 import torch
 
-import bindings
 import breakgraph as bg
 from breakgraph.debug import format_profile, plot_profile
 from tests.helpers import assert_close, poison_
