@@ -18,12 +18,7 @@ import time
 import torch
 
 import breakgraph as bg
-from benchmarks.common import device_meta, write_outputs
-
-
-@bg.eager_on_graph
-def noop():
-    return None
+from benchmarks.common import device_meta, noop, replay_each, write_outputs
 
 
 def capture_breakgraph(n, x, pool):
@@ -46,13 +41,7 @@ def capture_begin_end(n, x, pool, stream):
             g.capture_end()
             noop()
             graphs.append(g)
-
-    def replay():
-        for g in graphs:
-            g.replay()
-            noop()
-
-    return replay
+    return replay_each(graphs, noop)
 
 
 def graph_context_per_segment(n, x, pool, stream):
@@ -63,13 +52,7 @@ def graph_context_per_segment(n, x, pool, stream):
             x.add_(1)
         noop()
         graphs.append(g)
-
-    def replay():
-        for g in graphs:
-            g.replay()
-            noop()
-
-    return replay
+    return replay_each(graphs, noop)
 
 
 def timed_capture(make, repeats):
@@ -119,31 +102,19 @@ def main(argv=None) -> int:
                 ),
             }
         )
-    out = write_outputs("capture_time", rows, ["breaks", "variant", "capture_ms"], args.out, device_meta())
-    plot(rows, out / "capture_time.png")
-    print(f"wrote {out / 'capture_time.json'} and {out / 'capture_time.png'}")
+    write_outputs("capture_time", rows, ["breaks", "variant", "capture_ms"], args.out, device_meta(), draw)
     return 0
 
 
-def plot(rows, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    data = [r for r in rows if r["variant"] != "ratios"]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for variant in dict.fromkeys(r["variant"] for r in data):
-        points = [(r["breaks"], r["capture_ms"]) for r in data if r["variant"] == variant]
+def draw(ax, rows):
+    for variant in dict.fromkeys(r["variant"] for r in rows):
+        points = [(r["breaks"], r["capture_ms"]) for r in rows if r["variant"] == variant]
         ax.plot(*zip(*points), marker="o", label=variant)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("breaks in the region")
     ax.set_ylabel("capture time (ms, lower is better)")
     ax.set_title(f"Capture time ({torch.cuda.get_device_name()})")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+import breakgraph as bg
+
 from breakgraph.debug import format_table
 
 
@@ -25,13 +27,46 @@ def time_per_call_us(fn, iters: int, repeats: int = 5) -> float:
     return statistics.median(results)
 
 
-def write_outputs(name: str, rows: list[dict], columns: list[str], out_dir: str | Path, meta: dict) -> Path:
-    """Print the table, write ``<name>.json``; return the output folder."""
+def write_outputs(name: str, rows: list[dict], columns: list[str], out_dir: str | Path, meta: dict, draw) -> Path:
+    """Print the table, write ``<name>.json`` and ``<name>.png``; return the output folder.
+
+    ``draw(ax, rows)`` plots the measured rows (the "ratios" summary rows left out).
+    """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     print(format_table(rows, columns))
     (out_dir / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    draw(ax, [row for row in rows if row["variant"] != "ratios"])
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / f"{name}.png", dpi=120)
+    plt.close(fig)
+    print(f"wrote {out_dir / (name + '.json')} and {out_dir / (name + '.png')}")
     return out_dir
+
+
+@bg.eager_on_graph
+def noop():
+    """A break with no work: what the benchmarks put between segments."""
+    return None
+
+
+def replay_each(graphs, between):
+    """How engines replay one ``torch.cuda.CUDAGraph`` per segment: a Python loop,
+    calling ``between`` (the eager break) after each graph."""
+
+    def replay():
+        for graph in graphs:
+            graph.replay()
+            between()
+
+    return replay
 
 
 def device_meta() -> dict:

@@ -16,12 +16,7 @@ import torch
 
 import bindings
 import breakgraph as bg
-from benchmarks.common import device_meta, time_per_call_us, write_outputs
-
-
-@bg.eager_on_graph
-def noop():
-    return None
+from benchmarks.common import device_meta, noop, replay_each, time_per_call_us, write_outputs
 
 
 def step(x):
@@ -54,11 +49,6 @@ def build_variants(n: int, x: torch.Tensor):
             step(x)
         per_segment.append(g)
 
-    def torch_per_segment():
-        for g in per_segment:
-            g.replay()
-            noop()
-
     execs = []
     with torch.cuda.stream(stream):
         for _ in range(n):
@@ -83,7 +73,7 @@ def build_variants(n: int, x: torch.Tensor):
     return {
         "eager": eager,
         "torch monolithic graph": mono.replay,
-        "torch CUDAGraph per segment": torch_per_segment,
+        "torch CUDAGraph per segment": replay_each(per_segment, noop),
         "bare cudaGraphLaunch loop": floor,
         "breakgraph replay": graph.replay,
     }, (mono, per_segment, execs, graph)
@@ -121,32 +111,20 @@ def main(argv=None) -> int:
             }
         )
         del keep
-    out = write_outputs("replay_overhead", rows, ["segments", "variant", "us_per_segment"], args.out, device_meta())
-    plot(rows, out / "replay_overhead.png")
-    print(f"wrote {out / 'replay_overhead.json'} and {out / 'replay_overhead.png'}")
+    write_outputs("replay_overhead", rows, ["segments", "variant", "us_per_segment"], args.out, device_meta(), draw)
     return 0
 
 
-def plot(rows, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    data = [r for r in rows if r["variant"] != "ratios"]
-    variants = list(dict.fromkeys(r["variant"] for r in data))
-    sizes = sorted({r["segments"] for r in data})
-    fig, ax = plt.subplots(figsize=(8, 4))
+def draw(ax, rows):
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    sizes = sorted({r["segments"] for r in rows})
     width = 0.8 / len(variants)
     for i, variant in enumerate(variants):
-        values = [next(r["us_per_segment"] for r in data if r["variant"] == variant and r["segments"] == n) for n in sizes]
+        values = [next(r["us_per_segment"] for r in rows if r["variant"] == variant and r["segments"] == n) for n in sizes]
         ax.bar([j + i * width for j in range(len(sizes))], values, width, label=variant)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sizes))], [f"{n} segments" for n in sizes])
     ax.set_ylabel("µs per segment (lower is better)")
     ax.set_title(f"Replay overhead per segment ({torch.cuda.get_device_name()})")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
