@@ -57,7 +57,7 @@ class ForkJoinTracker:
         self._capture_info = capture_info
         self._join = join
         self._fork = fork
-        self._capture_id = 0
+        self._capture_id: int | None = None  # asked of CUDA when a hook first needs it
         self._segment_number = 0
         self._streams: dict[int, object] = {}  # every side stream seen this segment
         self._open: set[int] = set()  # forked, with work not yet joined
@@ -69,12 +69,19 @@ class ForkJoinTracker:
     # -- segment boundaries ---------------------------------------------------
     def segment_begun(self) -> None:
         """Fork again the streams that were open when the previous segment ended."""
-        self._capture_id = self._capture_info(self.capture_stream).capture_id
+        self._capture_id = None
         self._segment_number += 1
         carry, self._carry = self._carry, []
         for stream in carry:
             self._fork(stream, self.capture_stream)
             self._note_fork(stream)
+
+    @property
+    def capture_id(self) -> int:
+        """The open segment's CUDA capture id, queried once per segment and only if needed."""
+        if self._capture_id is None:
+            self._capture_id = self._capture_info(self.capture_stream).capture_id
+        return self._capture_id
 
     def segment_ending(self) -> tuple[int, ...]:
         """Join every side stream with unjoined work; return the ids that took part."""
@@ -89,10 +96,10 @@ class ForkJoinTracker:
                     "but its capture was invalidated by an error on that stream; fix the failing "
                     "operation on the side stream (or run it in an @eager_on_graph function)"
                 )
-            if info.capture_id != self._capture_id:
+            if info.capture_id != self.capture_id:
                 raise StreamJoinError(
                     f"side stream {sid:#x} is capturing into another capture (id {info.capture_id}) than "
-                    f"capture stream {_stream_id(self.capture_stream):#x} (id {self._capture_id}); "
+                    f"capture stream {_stream_id(self.capture_stream):#x} (id {self.capture_id}); "
                     "a stream can take part in one capture at a time: give each capture its own side streams"
                 )
             if sid in self._open or self._joined_at.get(sid) != info.dependencies:
@@ -108,7 +115,7 @@ class ForkJoinTracker:
     def stream_waited(self, waiter, source, source_info: CaptureInfo | None = None) -> None:
         """``waiter`` now waits on ``source``'s work (as of ``source_info``, default: now)."""
         info = self._capture_info(source) if source_info is None else source_info
-        if info.status is not CaptureStatus.ACTIVE or info.capture_id != self._capture_id:
+        if info.status is not CaptureStatus.ACTIVE or info.capture_id != self.capture_id:
             return  # source is not part of this capture: nothing forks or joins
         waiter_id, source_id = _stream_id(waiter), _stream_id(source)
         if waiter_id == source_id:
@@ -122,7 +129,7 @@ class ForkJoinTracker:
 
     def event_recorded(self, event, stream) -> None:
         info = self._capture_info(stream)
-        if info.status is CaptureStatus.ACTIVE and info.capture_id == self._capture_id:
+        if info.status is CaptureStatus.ACTIVE and info.capture_id == self.capture_id:
             self._recorded_on[event] = (stream, self._segment_number, info)
         else:
             self._recorded_on.pop(event, None)
