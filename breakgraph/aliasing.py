@@ -48,6 +48,32 @@ def alias_tree(value):
     return value
 
 
+def alias_result(result):
+    """What a break keeps of its capture-time result: aliases, when it is only CUDA tensors.
+
+    A CUDA tensor, or lists/tuples/dicts of them (and None), is replaced by
+    its aliases, so the break pins no memory: once the model drops the
+    result, later segments may reuse its bytes (they stay in the graph's
+    pool), as inside one monolithic graph, and replay still writes each fresh
+    result there before its reader runs. Anything else (CPU tensors, objects,
+    dataclasses, numbers) is kept as is: host memory is not pooled, and
+    writeback replaces non-tensor values in the very objects the model holds.
+    """
+    return alias_tree(result) if _only_cuda_tensors(result) else result
+
+
+def _only_cuda_tensors(value) -> bool:
+    if value is None:
+        return True
+    if type(value) is torch.Tensor:
+        return value.is_cuda
+    if isinstance(value, (list, tuple)):
+        return all(_only_cuda_tensors(item) for item in value)
+    if isinstance(value, dict):
+        return all(_only_cuda_tensors(item) for item in value.values())
+    return False
+
+
 def tensor_leaves(value, path: str):
     """Yield ``(path, tensor)`` for every tensor inside lists, tuples and dicts."""
     if isinstance(value, torch.Tensor):

@@ -31,10 +31,11 @@ class GraphSegment:
 class EagerSegment:
     """An eager break: ``function`` replayed on aliases of its capture-time arguments.
 
-    ``result`` is the capture-time result, owned here so its buffers, which
-    later segments read, stay allocated; ``write`` copies each replay's result
-    into it. ``argument_addresses`` (name, weak reference, data pointer) lets
-    debug mode check that the caller's tensors did not move.
+    ``result`` is the capture-time result (aliases of its tensors when it is
+    only tensors, see :func:`~breakgraph.aliasing.alias_result`); ``write``
+    copies each replay's result into it, where later segments read it.
+    ``argument_addresses`` (name, weak reference, data pointer) lets debug
+    mode check that the caller's tensors did not move.
     """
 
     index: int
@@ -52,6 +53,21 @@ class EagerSegment:
 
     def replay(self) -> None:
         self.bytes_written = self.write(self.function(*self.args, **self.kwargs))
+
+    def replayer(self) -> Callable[[], None]:
+        """:meth:`replay` with its lookups done once: replay's loop calls it for every break."""
+        segment, function, args, kwargs, write = self, self.function, self.args, self.kwargs, self.write
+        if kwargs:
+
+            def replay() -> None:
+                segment.bytes_written = write(function(*args, **kwargs))
+
+        else:
+
+            def replay() -> None:
+                segment.bytes_written = write(function(*args))
+
+        return replay
 
     def release(self) -> None:
         self.args, self.kwargs, self.result = (), {}, None

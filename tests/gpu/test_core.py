@@ -396,6 +396,31 @@ def test_break_arguments_are_not_kept_alive():
     assert_close(out, fresh * 6 + 1)
 
 
+def test_break_results_are_not_kept_alive_and_their_bytes_are_reused():
+    graph = bg.BreakableCUDAGraph()
+    x = torch.randn(1 << 20, device=DEV)  # 4 MiB per activation
+    layers = 32
+    with bg.BreakableCUDAGraphCapture(graph):
+        h = x
+        first = scale_eager(h, factor=1.0)
+        ref = weakref.ref(first)
+        h = first + 1
+        del first
+        for _ in range(layers - 1):
+            h = scale_eager(h, factor=1.0) + 1
+        out = h
+    gc.collect()
+    assert ref() is None, "the break's result was kept alive by the graph"
+    held = sum(block["total_size"] for block in graph.pool.snapshot())
+    assert held < 8 * x.nbytes, f"pool holds {held} bytes: break results were pinned"
+    for _ in range(2):
+        fresh = torch.randn_like(x)
+        x.copy_(fresh)
+        poison_(out)
+        graph.replay()
+        assert_close(out, fresh + layers)
+
+
 def test_concurrent_captures_in_two_threads():
     results, errors = {}, []
     barrier = threading.Barrier(2)
