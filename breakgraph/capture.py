@@ -20,9 +20,16 @@ import torch
 import bindings
 from bindings import CaptureMode, CudaError
 from breakgraph import context, streams
-from breakgraph.aliasing import alias_tree, tensor_leaves
+from breakgraph.aliasing import alias_result, alias_tree, tensor_leaves
 from breakgraph.config import capture_disabled, cuda_available, debug_requested
-from breakgraph.dispatch import CaptureDispatchMode, UncapturableOpError, is_capture_violation, uncapturable
+from breakgraph.dispatch import (
+    CaptureDispatchMode,
+    UncapturableOpError,
+    is_capture_violation,
+    is_random_op_refusal,
+    random_op_uncapturable,
+    uncapturable,
+)
 from breakgraph.pool import new_pool
 from breakgraph.segments import EagerSegment, GraphSegment
 from breakgraph.writeback import make_writer
@@ -120,7 +127,7 @@ class BreakableCUDAGraph:
         self._segments = segments
         self._device_index = device_index
         self._plan = tuple(
-            (segment.executable.handle, None) if segment.kind == "graph" else (None, segment.replay)
+            (segment.executable.handle, None) if segment.kind == "graph" else (None, segment.replayer())
             for segment in segments
         )
         self._captured = True
@@ -184,8 +191,7 @@ class CaptureSession:
         if num_nodes == 0:
             graph.destroy()
         else:
-            executable = graph.instantiate()
-            executable.upload(self.stream)
+            executable = graph.instantiate()  # its first launch uploads it
             name = f"graph {self._next_graph_name} -> {following}"
             self.segments.append(GraphSegment(len(self.segments), name, graph, executable, num_nodes, side_streams))
 
@@ -196,15 +202,16 @@ class CaptureSession:
         result = function(*args, **kwargs)
         _reject_autograd_history(name, result, args, kwargs)
         addresses = _argument_addresses(function, args, kwargs) if self.graph.debug else ()
+        kept = alias_result(result)
         self.segments.append(
             EagerSegment(
                 len(self.segments),
                 name,
                 _with_capture_autocast(function),
-                alias_tree(args),
-                alias_tree(kwargs),
-                result,
-                make_writer(name, result),
+                alias_tree(args) if args else (),
+                alias_tree(kwargs) if kwargs else {},
+                kept,
+                make_writer(name, kept),
                 addresses,
             )
         )
@@ -253,9 +260,13 @@ def _reject_autograd_history(name: str, result, args: tuple, kwargs: dict) -> No
     Its backward would read intermediates saved at capture time, which
     replay does not refresh. Inputs passed straight through are fine.
     """
-    inputs = {id(t) for _path, t in tensor_leaves((args, kwargs), "")}
+    inputs = None
     for path, tensor in tensor_leaves(result, "out"):
-        if tensor.grad_fn is not None and id(tensor) not in inputs:
+        if tensor.grad_fn is None:
+            continue
+        if inputs is None:
+            inputs = {id(t) for _path, t in tensor_leaves((args, kwargs), "")}
+        if id(tensor) not in inputs:
             raise RuntimeError(
                 f"{name}() -> {path} requires grad: a break's backward would read tensors saved at "
                 "capture time, which replay does not refresh. Put the break inside a "
@@ -336,21 +347,36 @@ class BreakableCUDAGraphCapture:
 
     Graphable work becomes CUDA graph segments; ``@eager_on_graph`` functions,
     :func:`break_graph` and random ops end the current segment, run eagerly and
-    are recorded for replay. Like ``torch.cuda.graph`` it synchronizes first and
-    captures on a side stream (``stream``, or one kept per thread); the default
-    stream is refused. ``capture_error_mode`` is CUDA's capture mode:
+    are recorded for replay. Like ``torch.cuda.graph`` it captures on a side
+    stream (``stream``, or one kept per thread) that first waits on the
+    current stream's work; unlike it, it does not synchronize the device. The
+    default stream is refused. ``capture_error_mode`` is CUDA's capture mode:
     "global", "thread_local" or "relaxed".
+
+    ``random_ops="break"`` (default) watches every op while a segment is
+    captured (a ``TorchDispatchMode``): random ops become eager breaks that
+    draw fresh numbers at each replay, and host-sync ops fail before they
+    reach CUDA. That costs a Python call per op at capture, not at replay.
+    ``random_ops="error"`` skips the watch, for faster captures of models
+    with no random ops: a random op then fails the capture with a clear error.
 
     Any exception inside the block ends the CUDA capture, discards what was
     captured, restores the stream, pool routing and hooks, and propagates.
     """
 
-    def __init__(self, graph: BreakableCUDAGraph, stream: torch.cuda.Stream | None = None, capture_error_mode: str = "global"):
+    def __init__(
+        self,
+        graph: BreakableCUDAGraph,
+        stream: torch.cuda.Stream | None = None,
+        capture_error_mode: str = "global",
+        random_ops: str = "break",
+    ):
         if not isinstance(graph, BreakableCUDAGraph):
             raise TypeError(f"expected a BreakableCUDAGraph, got {type(graph).__name__}")
         self.graph = graph
         self.stream = stream
         self.mode = CaptureMode.parse(capture_error_mode)
+        self.watch_ops = _parse_random_ops(random_ops)
         self._session: CaptureSession | None = None
         self._exit_stack: contextlib.ExitStack | None = None
 
@@ -370,11 +396,8 @@ class BreakableCUDAGraphCapture:
                 "cannot capture on the default CUDA stream; pass a torch.cuda.Stream() as `stream` "
                 "or leave it as None to use breakgraph's side stream"
             )
-        if self.mode is CaptureMode.GLOBAL:
-            torch.cuda.synchronize(stream.device)
-        else:  # a device-wide sync would wait on other threads' captures
-            caller_stream.synchronize()
-            stream.synchronize()
+        # No host sync: the capture stream only has to follow the caller's work on the
+        # GPU, so an engine's warm-up step can still run while its capture is recorded.
         stream.wait_stream(caller_stream)
 
         session = CaptureSession(self.graph, stream, self.mode)
@@ -389,7 +412,8 @@ class BreakableCUDAGraphCapture:
             streams.install_hooks()
             exit_stack.callback(streams.remove_hooks)
             exit_stack.callback(context.deactivate, context.activate(session))
-            exit_stack.enter_context(CaptureDispatchMode(session))
+            if self.watch_ops:
+                exit_stack.enter_context(CaptureDispatchMode(session))
             session.begin_segment()
         except BaseException:
             session.abort()
@@ -419,7 +443,16 @@ class BreakableCUDAGraphCapture:
         return False
 
 
+def _parse_random_ops(random_ops: str) -> bool:
+    """Whether ops are watched during capture: ``random_ops`` is "break" or "error"."""
+    if random_ops not in ("break", "error"):
+        raise ValueError(f"random_ops must be 'break' or 'error', got {random_ops!r}")
+    return random_ops == "break"
+
+
 def _reraise_clearly(error: BaseException) -> None:
     """Turn CUDA's bare capture-violation errors into ones that name the remedy."""
+    if is_random_op_refusal(error) and not isinstance(error, UncapturableOpError):
+        raise random_op_uncapturable(error) from error
     if is_capture_violation(error) and not isinstance(error, UncapturableOpError):
         raise uncapturable("an operation in this graph segment", error) from error

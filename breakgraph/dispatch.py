@@ -56,6 +56,19 @@ def is_capture_violation(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and bool(_CAPTURE_VIOLATION.search(str(error)))
 
 
+def is_random_op_refusal(error: BaseException) -> bool:
+    """Whether ``error`` is torch's CUDA generator refusing a random op in a raw capture."""
+    return isinstance(error, RuntimeError) and "CUDA generator not in capture mode" in str(error)
+
+
+def random_op_uncapturable(cause: BaseException) -> UncapturableOpError:
+    return UncapturableOpError(
+        f"a random op in this graph segment cannot be captured with random_ops='error' ({cause}). "
+        "Capture with random_ops='break' (the default), which makes every random op an eager break "
+        "that draws fresh numbers at each replay, or move it into an @breakgraph.eager_on_graph function."
+    )
+
+
 def uncapturable(what: str, cause: BaseException | None = None) -> UncapturableOpError:
     detail = f" ({cause})" if cause is not None else ""
     return UncapturableOpError(f"{what} cannot be captured in a CUDA graph segment{detail}. {REMEDY}")

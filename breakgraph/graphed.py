@@ -29,7 +29,9 @@ class GraphedCallable:
     every replay: copy what you must keep.
     """
 
-    def __init__(self, fn: Callable, args: tuple, kwargs: dict, *, debug: bool | None, pool, warmup: int):
+    def __init__(
+        self, fn: Callable, args: tuple, kwargs: dict, *, debug: bool | None, pool, warmup: int, random_ops: str = "break"
+    ):
         self.fn, self.args, self.kwargs = fn, args, kwargs
         self.debug = debug_requested(debug)
         self.output: Any = None
@@ -48,7 +50,7 @@ class GraphedCallable:
                 for _ in range(warmup):
                     fn(*args, **kwargs)
             torch.cuda.current_stream().wait_stream(stream)
-        with BreakableCUDAGraphCapture(self.graph, stream=stream):
+        with BreakableCUDAGraphCapture(self.graph, stream=stream, random_ops=random_ops):
             self.output = target(*args, **kwargs)
 
     @property
@@ -69,14 +71,23 @@ def _name(fn: Callable) -> str:
     return getattr(fn, "__qualname__", repr(fn))
 
 
-def graphed(fn: Callable, *static_args, debug: bool | None = None, pool=None, warmup: int = 1, **static_kwargs) -> GraphedCallable:
+def graphed(
+    fn: Callable,
+    *static_args,
+    debug: bool | None = None,
+    pool=None,
+    warmup: int = 1,
+    random_ops: str = "break",
+    **static_kwargs,
+) -> GraphedCallable:
     """Capture ``fn(*static_args, **static_kwargs)`` as a breakable graph.
 
     ``fn`` first runs ``warmup`` times eagerly on the capture stream (lazy
     library initialisation must not happen inside a capture; pass 0 if it has
     side effects that must not repeat). ``debug`` (default ``BREAKGRAPH_DEBUG``)
     makes the whole function one eager break replayed through the same code
-    path, with debug checks. Without a GPU, or with ``BREAKGRAPH_DISABLE=1``,
-    replay calls ``fn`` eagerly (one warning).
+    path, with debug checks. ``random_ops`` is as for
+    :class:`BreakableCUDAGraphCapture`. Without a GPU, or with
+    ``BREAKGRAPH_DISABLE=1``, replay calls ``fn`` eagerly (one warning).
     """
-    return GraphedCallable(fn, static_args, static_kwargs, debug=debug, pool=pool, warmup=warmup)
+    return GraphedCallable(fn, static_args, static_kwargs, debug=debug, pool=pool, warmup=warmup, random_ops=random_ops)

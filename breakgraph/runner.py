@@ -10,7 +10,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
-from breakgraph.capture import BreakableCUDAGraph, BreakableCUDAGraphCapture, _default_capture_stream
+from breakgraph.capture import BreakableCUDAGraph, BreakableCUDAGraphCapture, _default_capture_stream, _parse_random_ops
 from breakgraph.config import debug_requested
 from breakgraph.debug import format_table
 from breakgraph.eager import eager_on_graph
@@ -109,6 +109,8 @@ class GraphRunner:
     ``key_fn(*inputs)`` returns the keys that may serve a batch, most
     preferred first; the first key with a captured size that fits wins.
     ``capture_sizes`` may then be a dict giving each key its own sizes.
+    ``random_ops`` is as for :class:`BreakableCUDAGraphCapture`: "error"
+    makes start-up capture faster for models with no random ops.
     """
 
     def __init__(
@@ -124,6 +126,7 @@ class GraphRunner:
         warmup: int = 1,
         progress: bool = True,
         debug: bool | None = None,
+        random_ops: str = "break",
     ):
         leaves = _leaves(static_inputs)
         if not leaves or not all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in leaves):
@@ -149,6 +152,8 @@ class GraphRunner:
         self.warmup = warmup
         self.progress = progress
         self.debug = debug_requested(debug)
+        _parse_random_ops(random_ops)
+        self.random_ops = random_ops
         self.pool = None
         self._graphs: dict[tuple[Hashable, int], tuple[BreakableCUDAGraph, Any]] = {}
         self._capture_seconds: dict[tuple[Hashable, int], float] = {}
@@ -162,15 +167,17 @@ class GraphRunner:
         """Capture every (key, size), largest size first, into one shared memory pool."""
         if self.eager_reason is not None:
             return self
-        from tqdm.auto import tqdm
-
         self.pool = self.pool or new_pool()
         device = _leaves(self.static_inputs)[0].device
         stream = _default_capture_stream(device)
         work = sorted(
             ((key, size) for key, sizes in self.sizes_by_key.items() for size in sizes), key=lambda item: -item[1]
         )
-        for key, size in tqdm(work, desc="breakgraph: capturing", unit="graph", disable=not self.progress):
+        if self.progress:
+            from tqdm import tqdm
+
+            work = tqdm(work, desc="breakgraph: capturing", unit="graph")
+        for key, size in work:
             if (key, size) in self._graphs:
                 continue
             started = time.perf_counter()
@@ -184,7 +191,7 @@ class GraphRunner:
                 torch.cuda.current_stream().wait_stream(stream)
             graph = BreakableCUDAGraph(pool=self.pool, debug=self.debug)
             target = eager_on_graph(self.fn) if self.debug else self.fn
-            with BreakableCUDAGraphCapture(graph, stream=stream):
+            with BreakableCUDAGraphCapture(graph, stream=stream, random_ops=self.random_ops):
                 output = _call(target, views, extra)
             self._graphs[(key, size)] = (graph, output)
             self._capture_seconds[(key, size)] = time.perf_counter() - started

@@ -70,6 +70,10 @@ def test_bad_capture_mode_is_rejected_before_anything_starts():
         bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph(), capture_error_mode="strict")
     with pytest.raises(TypeError, match="BreakableCUDAGraph"):
         bg.BreakableCUDAGraphCapture(object())
+    with pytest.raises(ValueError, match="'break' or 'error'"):
+        bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph(), random_ops="ignore")
+    with pytest.raises(ValueError, match="'break' or 'error'"):
+        bg.GraphRunner(lambda x: x, torch.zeros(4, 2), random_ops="skip")
 
 
 @no_gpu

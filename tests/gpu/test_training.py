@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import breakgraph as bg
-from tests.helpers import assert_close, poison_
+from tests.helpers import assert_close, check_against_eager, poison_
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -203,3 +203,37 @@ def test_in_place_random_op_writes_the_captured_buffer():
         seen.append(out.clone())
     assert not torch.equal(seen[0], seen[1])
     assert graph.segments[0].bytes_written == 0  # uniform_ returned the captured buffer itself
+
+
+def test_random_ops_error_mode_refuses_random_ops_clearly_and_leaves_nothing_behind():
+    caller = torch.cuda.current_stream()
+    graph = bg.BreakableCUDAGraph()
+    x = torch.ones(1000, device=DEV)
+    with pytest.raises(bg.UncapturableOpError) as info:
+        with bg.BreakableCUDAGraphCapture(graph, random_ops="error"):
+            y = x * 2
+            torch.nn.functional.dropout(y, p=0.5, training=True)
+    message = str(info.value)
+    assert "random_ops='break'" in message and "@breakgraph.eager_on_graph" in message
+    assert not graph.captured and not bg.is_capturing()
+    assert torch.cuda.current_stream() == caller
+    # The next capture works, and random ops still become breaks by default.
+    with bg.BreakableCUDAGraphCapture(graph):
+        dropped = torch.nn.functional.dropout(x, p=0.5, training=True)
+    graph.replay()
+    assert 0.4 < (dropped == 0).float().mean().item() < 0.6
+
+
+def test_random_ops_error_mode_captures_a_model_without_random_ops():
+    model = _net(0.0)
+    x = torch.randn(16, 32, device=DEV)
+
+    @bg.eager_on_graph
+    def host_side_scale(h):
+        return h * float(h.abs().max().item() > -1)  # a host sync: only possible in a break
+
+    def fn(x):
+        return model(host_side_scale(torch.relu(x)))
+
+    graph, _out = check_against_eager(fn, [x], random_ops="error")
+    assert graph.num_eager_breaks == 1
