@@ -1,12 +1,21 @@
-"""Capture time of a region with N breaks: breakgraph against the torch-per-segment ways.
+"""Capture time: regions with N breaks, and an engine's start-up at 35 batch sizes.
 
-Variants, side by side in one run: breakgraph (one BreakableCUDAGraphCapture);
+Part 1, side by side in one run: breakgraph (one BreakableCUDAGraphCapture,
+with and without watching ops for random ones: ``random_ops``);
 one torch.cuda.CUDAGraph per segment through capture_begin/capture_end (vLLM's
 way); one torch.cuda.graph(...) context per segment (Meta's way). Each region
-is N segments of a tiny kernel with a no-op eager function between them; every
-variant's replay is checked against eager first.
+is N segments of a tiny kernel with a no-op eager function between them.
 
-    python -m benchmarks.capture_time [--quick] [--out results]
+Part 2, an engine's start-up: the decoder of ``decode_step`` captured at the
+35 batch sizes vLLM captures by default up to 256 (1, 2, 4, 8, 16, 24, …,
+256), each after one eager warm-up step, into one shared pool: breakgraph's
+GraphRunner against one torch.cuda.CUDAGraph per segment per size.
+
+Every variant's replay is checked against eager first. A capture's time
+ends when its graphs are ready to replay; releasing earlier captures is not
+counted.
+
+    python -m benchmarks.capture_time [--quick] [--out results] [--layers 16]
 """
 
 from __future__ import annotations
@@ -19,11 +28,22 @@ import torch
 
 import breakgraph as bg
 from benchmarks.common import device_meta, noop, replay_each, write_outputs
+from benchmarks.decoder import (
+    BatchInputs,
+    Decoder,
+    DecoderConfig,
+    capture_breakgraph_sizes,
+    capture_piecewise_sizes,
+    check_sizes,
+    graphs_replay,
+    runner_replay,
+)
+from breakgraph.runner import default_capture_sizes
 
 
-def capture_breakgraph(n, x, pool):
+def capture_breakgraph(n, x, pool, random_ops="break"):
     graph = bg.BreakableCUDAGraph(pool=pool)
-    with bg.BreakableCUDAGraphCapture(graph):
+    with bg.BreakableCUDAGraphCapture(graph, random_ops=random_ops):
         for _ in range(n):
             x.add_(1)
             noop()
@@ -56,53 +76,116 @@ def graph_context_per_segment(n, x, pool, stream):
 
 
 def timed_capture(make, repeats):
-    seconds, replay = [], None
+    """Median ms of ``make()`` over ``repeats``; every result is kept until the end, so
+    no capture pays for releasing an earlier one. Returns the ms and the last result."""
+    seconds, results = [], []
     for _ in range(repeats):
         torch.cuda.synchronize()
         start = time.perf_counter()
-        replay = make()
+        results.append(make())
         torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds) * 1000, replay
+    return statistics.median(seconds) * 1000, results[-1]
+
+
+def break_count_rows(sizes, repeats) -> list[dict]:
+    stream = torch.cuda.Stream()
+    x = torch.zeros(256, device="cuda")
+    x.add_(1)  # warm up
+    makers = {
+        "breakgraph": lambda n: capture_breakgraph(n, x, None),
+        "breakgraph, random_ops='error'": lambda n: capture_breakgraph(n, x, None, random_ops="error"),
+        "capture_begin/capture_end per segment": lambda n: capture_begin_end(n, x, torch.cuda.graph_pool_handle(), stream),
+        "torch.cuda.graph context per segment": lambda n: graph_context_per_segment(n, x, torch.cuda.graph_pool_handle(), stream),
+    }
+    for make in makers.values():  # first-use costs, on no variant's account
+        timed_capture(lambda: make(8), 2)
+    rows = []
+    for n in sizes:
+        ms = {}
+        for name, make in makers.items():
+            ms[name], replay = timed_capture(lambda: make(n), repeats)
+            x.zero_()
+            replay()
+            torch.cuda.synchronize()
+            assert torch.all(x == n), f"{name}: replay gave {x[0].item()}, eager gives {n}"
+            rows.append({"breaks": n, "variant": name, "capture_ms": round(ms[name], 2)})
+        context, begin_end = ms["torch.cuda.graph context per segment"], ms["capture_begin/capture_end per segment"]
+        for name in ("breakgraph", "breakgraph, random_ops='error'"):
+            rows.append(
+                {
+                    "breaks": n,
+                    "variant": "ratios",
+                    "capture_ms": (
+                        f"{name}: context-per-segment/it {context / ms[name]:.2f}x; "
+                        f"begin-end/it {begin_end / ms[name]:.2f}x"
+                    ),
+                }
+            )
+    return rows
+
+
+def startup_rows(config: DecoderConfig, sizes, repeats) -> list[dict]:
+    """Engine start-up: the decoder at every size, breakgraph's runner against the peers' way."""
+    decoder = Decoder(config, max_batch=max(sizes))
+    inputs = BatchInputs(decoder, max(sizes), length=1015)
+    stream = torch.cuda.Stream()
+    inputs.warm_up(sizes, stream)
+    checked = sorted({sizes[0], sizes[len(sizes) // 2], sizes[-1]})
+    makers = {
+        "breakgraph GraphRunner": lambda: capture_breakgraph_sizes(inputs, sizes),
+        "breakgraph GraphRunner, random_ops='error'": lambda: capture_breakgraph_sizes(inputs, sizes, random_ops="error"),
+        "torch CUDAGraph per segment": lambda: capture_piecewise_sizes(inputs, sizes, torch.cuda.graph_pool_handle(), stream),
+    }
+    ms = {name: [] for name in makers}
+    worst = dict.fromkeys(makers, 0.0)
+    for _ in range(repeats):  # alternate, so drift in the machine hits both
+        for name, make in makers.items():
+            elapsed, captured = timed_capture(make, 1)
+            ms[name].append(elapsed)
+            run = runner_replay(inputs, captured) if isinstance(captured, bg.GraphRunner) else graphs_replay(captured)
+            worst[name] = max(worst[name], check_sizes(inputs, run, checked))
+            del captured, run
+    rows = [
+        {
+            "sizes": len(sizes),
+            "variant": name,
+            "capture_ms": round(statistics.median(values), 1),
+            "ms_per_size": round(statistics.median(values) / len(sizes), 2),
+            "max_abs_diff_vs_eager": round(worst[name], 4),
+        }
+        for name, values in ms.items()
+    ]
+    ours, ours_unwatched, theirs = (statistics.median(values) for values in ms.values())
+    rows.append(
+        {
+            "sizes": len(sizes),
+            "variant": "ratios",
+            "capture_ms": (
+                f"torch-per-segment/breakgraph {theirs / ours:.2f}x; "
+                f"torch-per-segment/breakgraph random_ops='error' {theirs / ours_unwatched:.2f}x"
+            ),
+        }
+    )
+    return rows
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small smoke run")
     parser.add_argument("--out", default="results")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers for the start-up part (16)")
     args = parser.parse_args(argv)
-    sizes = [8, 64] if args.quick else [8, 64, 256]
-    repeats = 2 if args.quick else 5
-    stream = torch.cuda.Stream()
-    x = torch.zeros(256, device="cuda")
-    x.add_(1)  # warm up
-    rows = []
-    for n in sizes:
-        makers = {
-            "breakgraph": lambda: capture_breakgraph(n, x, torch.cuda.MemPool()),
-            "capture_begin/capture_end per segment": lambda: capture_begin_end(n, x, torch.cuda.graph_pool_handle(), stream),
-            "torch.cuda.graph context per segment": lambda: graph_context_per_segment(n, x, torch.cuda.graph_pool_handle(), stream),
-        }
-        ms = {}
-        for name, make in makers.items():
-            ms[name], replay = timed_capture(make, repeats)
-            x.zero_()
-            replay()
-            torch.cuda.synchronize()
-            assert torch.all(x == n), f"{name}: replay gave {x[0].item()}, eager gives {n}"
-            rows.append({"breaks": n, "variant": name, "capture_ms": round(ms[name], 2)})
-        ours = ms["breakgraph"]
-        rows.append(
-            {
-                "breaks": n,
-                "variant": "ratios",
-                "capture_ms": (
-                    f"context-per-segment/breakgraph {ms['torch.cuda.graph context per segment'] / ours:.2f}x; "
-                    f"begin-end/breakgraph {ms['capture_begin/capture_end per segment'] / ours:.2f}x"
-                ),
-            }
-        )
-    write_outputs("capture_time", rows, ["breaks", "variant", "capture_ms"], args.out, device_meta(), draw)
+    meta = device_meta()
+    rows = break_count_rows([8, 64] if args.quick else [8, 64, 256], 2 if args.quick else 5)
+    write_outputs("capture_time", rows, ["breaks", "variant", "capture_ms"], args.out, meta, draw)
+
+    config = DecoderConfig(layers=args.layers or (2 if args.quick else 16))
+    sizes = default_capture_sizes(16 if args.quick else 256)
+    rows = startup_rows(config, sizes, 1 if args.quick else 3)
+    meta |= {"config": {k: str(v) for k, v in vars(config).items()}, "batch_sizes": sizes}
+    columns = ["sizes", "variant", "capture_ms", "ms_per_size", "max_abs_diff_vs_eager"]
+    write_outputs("capture_startup", rows, columns, args.out, meta, draw_startup)
     return 0
 
 
@@ -115,6 +198,14 @@ def draw(ax, rows):
     ax.set_xlabel("breaks in the region")
     ax.set_ylabel("capture time (ms, lower is better)")
     ax.set_title(f"Capture time ({torch.cuda.get_device_name()})")
+
+
+
+def draw_startup(ax, rows):
+    names = [r["variant"] for r in rows]
+    ax.barh(names, [r["capture_ms"] for r in rows], color=["tab:blue", "tab:cyan", "tab:orange"][: len(rows)])
+    ax.set_xlabel(f"ms to capture the decoder at {rows[0]['sizes']} batch sizes (lower is better)")
+    ax.set_title(f"Engine start-up capture\n{torch.cuda.get_device_name()}")
 
 
 if __name__ == "__main__":

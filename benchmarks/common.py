@@ -27,6 +27,16 @@ def time_per_call_us(fn, iters: int, repeats: int = 5) -> float:
     return statistics.median(results)
 
 
+def time_variants(variants: dict, iters: int, repeats: int = 7) -> dict:
+    """Median µs per call of each variant; the repeats are interleaved (a, b, c, a, b, c, …)
+    so that the machine's drift during the run falls on every variant alike."""
+    samples = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, fn in variants.items():
+            samples[name].append(time_per_call_us(fn, iters, repeats=1))
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
 def write_outputs(name: str, rows: list[dict], columns: list[str], out_dir: str | Path, meta: dict, draw) -> Path:
     """Print the table, write ``<name>.json`` and ``<name>.png``; return the output folder.
 
@@ -43,7 +53,8 @@ def write_outputs(name: str, rows: list[dict], columns: list[str], out_dir: str 
 
     fig, ax = plt.subplots(figsize=(8, 4))
     draw(ax, [row for row in rows if row["variant"] != "ratios"])
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out_dir / f"{name}.png", dpi=120)
     plt.close(fig)

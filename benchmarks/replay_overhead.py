@@ -16,7 +16,7 @@ import torch
 
 import bindings
 import breakgraph as bg
-from benchmarks.common import device_meta, noop, replay_each, time_per_call_us, write_outputs
+from benchmarks.common import device_meta, noop, replay_each, time_variants, write_outputs
 
 
 def step(x):
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
         x = torch.zeros(256, device="cuda")
         variants, keep = build_variants(n, x)
         check(variants, n, x)
-        us = {name: time_per_call_us(run, iters) / n for name, run in variants.items()}
+        us = {name: value / n for name, value in time_variants(variants, iters).items()}
         floor, ours, torch_seg = us["bare cudaGraphLaunch loop"], us["breakgraph replay"], us["torch CUDAGraph per segment"]
         for name, value in us.items():
             rows.append({"segments": n, "variant": name, "us_per_segment": round(value, 3)})

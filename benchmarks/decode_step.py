@@ -1,0 +1,231 @@
+"""Decode-step latency of a Llama-style decoder whose attention is an eager break.
+
+Variants, side by side in one run at each batch size: eager; breakgraph;
+the same break structure as one torch.cuda.CUDAGraph per segment (the peers'
+way); and the lower bound, one monolithic torch.cuda.graph with the live
+length frozen at capture. Every variant is checked against eager on fresh
+random inputs (outputs poisoned first) before it is timed. A step is timed
+as an engine runs it: the live length changes, the step is launched, and the
+host waits for the result (as it must to sample the next token).
+
+At batch 1 the gap to the lower bound is split into what the host spends in
+the eager attention calls, in graph launches, and the GPU's idle time.
+
+    python -m benchmarks.decode_step [--quick] [--out results] [--layers 16] [--batches 1 8 32 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import time
+
+import torch
+
+import breakgraph as bg
+from benchmarks.common import device_meta, time_per_call_us, time_variants, write_outputs
+from benchmarks.decoder import (
+    AttentionMetadata,
+    Decoder,
+    DecoderConfig,
+    TorchPiecewise,
+    assert_matches_eager,
+    attention,
+    attention_break,
+)
+
+LIVE_LENGTHS = range(1008, 1024)  # tokens in the cache before the step; the step attends over one more
+FROZEN_LENGTH = 1015  # the lower bound's length, the live lengths' middle
+
+VARIANTS = ("eager", "breakgraph", "torch CUDAGraph per segment", "lower bound: monolithic graph, frozen length")
+
+
+class Step:
+    """Static inputs of one batch size and every variant's captured form."""
+
+    def __init__(self, decoder: Decoder, batch: int, stream: torch.cuda.Stream):
+        hidden = decoder.config.hidden
+        self.decoder = decoder
+        self.meta = AttentionMetadata(LIVE_LENGTHS[0])
+        self.frozen = AttentionMetadata(FROZEN_LENGTH)
+        self.x = torch.randn(batch, hidden, device="cuda", dtype=decoder.config.dtype)
+        self.positions = torch.full((batch,), self.meta.length, device="cuda", dtype=torch.long)
+
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm up: cuBLAS handles, kernels' first loads
+            decoder.step(self.x, self.positions, self.meta)
+        torch.cuda.current_stream().wait_stream(stream)
+
+        self.graph = bg.BreakableCUDAGraph()
+        with bg.BreakableCUDAGraphCapture(self.graph, stream=stream):
+            self.out_breakgraph = decoder.step(self.x, self.positions, self.meta, attention_break)
+
+        self.piecewise = TorchPiecewise(torch.cuda.graph_pool_handle())
+        self.out_piecewise = self.piecewise.capture(
+            lambda attend: decoder.step(self.x, self.positions, self.meta, attend), stream
+        )
+
+        self.monolithic = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.monolithic, stream=stream):
+            self.out_monolithic = decoder.step(self.x, self.positions, self.frozen, attention)
+
+    def runs(self) -> dict:
+        """Each variant's step: launch it and return its output."""
+        return {
+            VARIANTS[0]: lambda: self.decoder.step(self.x, self.positions, self.meta),
+            VARIANTS[1]: lambda: (self.graph.replay(), self.out_breakgraph)[1],
+            VARIANTS[2]: lambda: (self.piecewise.replay(), self.out_piecewise)[1],
+            VARIANTS[3]: lambda: (self.monolithic.replay(), self.out_monolithic)[1],
+        }
+
+    def check(self, trials: int = 2) -> dict:
+        """Compare every variant with eager on fresh inputs; return each one's largest difference."""
+        worst = dict.fromkeys(VARIANTS, 0.0)
+        outputs = (self.out_breakgraph, self.out_piecewise, self.out_monolithic)
+        for trial in range(trials):
+            for name, run in self.runs().items():
+                if name == VARIANTS[0]:
+                    continue
+                meta = self.frozen if name == VARIANTS[3] else self.meta
+                if meta is self.meta:
+                    meta.length = LIVE_LENGTHS[(5 * trial + 3) % len(LIVE_LENGTHS)]
+                self.x.copy_(torch.randn_like(self.x))
+                self.positions.fill_(meta.length)
+                expected = self.decoder.step(self.x, self.positions, meta).clone()
+                for output in outputs:
+                    output.fill_(float("nan"))
+                got = run()
+                torch.cuda.synchronize()
+                worst[name] = max(worst[name], assert_matches_eager(got, expected, name))
+        return worst
+
+    def timed(self, run):
+        """An engine's step: the live length moves on, the step runs, the host waits for its output."""
+        lengths = itertools.cycle(LIVE_LENGTHS)
+        meta = self.meta
+
+        def step():
+            meta.length = next(lengths)
+            run()
+            torch.cuda.synchronize()
+
+        return step
+
+
+def gap_breakdown(step: Step, us: dict, iters: int) -> dict:
+    """At one batch size: where the breakgraph step's time over the lower bound goes.
+
+    The GPU's busy time is the lower bound's step issued back to back (one
+    launch per step, so the GPU never waits); the host's time in the eager
+    attention calls is measured inside them, in a second capture whose break
+    adds up its own time.
+    """
+    host_in_attention = [0.0]
+
+    def timed_attention(*args):
+        started = time.perf_counter()
+        result = attention(*args)
+        host_in_attention[0] += time.perf_counter() - started
+        return result
+
+    stream = torch.cuda.Stream()
+    graph = bg.BreakableCUDAGraph(pool=step.graph.pool)
+    with bg.BreakableCUDAGraphCapture(graph, stream=stream):
+        step.decoder.step(step.x, step.positions, step.meta, bg.eager_on_graph(timed_attention))
+    gpu_busy_us = time_per_call_us(step.monolithic.replay, iters)
+    host_us = []
+    lengths = itertools.cycle(LIVE_LENGTHS)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    host_in_attention[0] = 0.0
+    for _ in range(iters):
+        step.meta.length = next(lengths)
+        started = time.perf_counter()
+        graph.replay()
+        host_us.append((time.perf_counter() - started) * 1e6)
+        torch.cuda.synchronize()
+    attention_us = host_in_attention[0] / iters * 1e6
+    replay_host_us = statistics.mean(host_us)
+    breakgraph_us, lower_us = us[VARIANTS[1]], us[VARIANTS[3]]
+    return {
+        "lower_bound_us": round(lower_us, 1),
+        "breakgraph_us": round(breakgraph_us, 1),
+        "gap_us": round(breakgraph_us - lower_us, 1),
+        "gpu_busy_us": round(gpu_busy_us, 1),
+        "gpu_idle_in_breakgraph_step_us": round(breakgraph_us - gpu_busy_us, 1),
+        "host_replay_us": round(replay_host_us, 1),
+        "host_in_eager_attention_us": round(attention_us, 1),
+        "host_in_graph_launches_us": round(replay_host_us - attention_us, 1),
+        "graph_segments": graph.num_graphs,
+        "eager_breaks": graph.num_eager_breaks,
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small smoke run: 2 layers, batches 1 and 8")
+    parser.add_argument("--out", default="results")
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--batches", type=int, nargs="+", default=None)
+    args = parser.parse_args(argv)
+    config = DecoderConfig(layers=args.layers or (2 if args.quick else 16))
+    batches = args.batches or ([1, 8] if args.quick else [1, 8, 32, 64])
+    iters = 10 if args.quick else 100
+
+    decoder = Decoder(config, max_batch=max(batches))
+    stream = torch.cuda.Stream()
+    rows, breakdown = [], {}
+    for batch in batches:
+        step = Step(decoder, batch, stream)
+        worst = step.check()
+        us = time_variants({name: step.timed(run) for name, run in step.runs().items()}, iters)
+        for name, value in us.items():
+            rows.append(
+                {
+                    "batch": batch,
+                    "variant": name,
+                    "step_ms": round(value / 1000, 3),
+                    "tokens_per_s": round(batch / value * 1e6),
+                    "max_abs_diff_vs_eager": round(worst[name], 4),
+                }
+            )
+        ours = us[VARIANTS[1]]
+        rows.append(
+            {
+                "batch": batch,
+                "variant": "ratios",
+                "step_ms": (
+                    f"breakgraph/lower bound {ours / us[VARIANTS[3]]:.2f}x; "
+                    f"torch-per-segment/breakgraph {us[VARIANTS[2]] / ours:.2f}x; "
+                    f"eager/breakgraph {us[VARIANTS[0]] / ours:.2f}x"
+                ),
+            }
+        )
+        if batch == batches[0]:
+            breakdown = {"batch": batch, **gap_breakdown(step, us, iters)}
+        del step
+    meta = device_meta() | {"config": {k: str(v) for k, v in vars(config).items()}, "gap_breakdown": breakdown}
+    columns = ["batch", "variant", "step_ms", "tokens_per_s", "max_abs_diff_vs_eager"]
+    write_outputs("decode_step", rows, columns, args.out, meta, draw)
+    print(f"where the gap to the lower bound goes at batch {breakdown['batch']} (µs per step):")
+    for key, value in breakdown.items():
+        print(f"  {key}: {value}")
+    return 0
+
+
+def draw(ax, rows):
+    batches = sorted({r["batch"] for r in rows})
+    width = 0.8 / len(VARIANTS)
+    for i, variant in enumerate(VARIANTS):
+        values = [next(r["step_ms"] for r in rows if r["variant"] == variant and r["batch"] == b) for b in batches]
+        ax.bar([j + i * width for j in range(len(batches))], values, width, label=variant)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(batches))], [f"batch {b}" for b in batches])
+    ax.set_yscale("log")
+    ax.set_ylabel("step latency (ms, lower is better)")
+    ax.set_title(f"Decode step, Llama-style decoder ({torch.cuda.get_device_name()})")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,108 @@
+"""Pool bytes of the decoder captured at batch sizes 1 … 64 into one shared pool.
+
+Variants, side by side in one run: breakgraph (a GraphRunner, attention as
+the eager break); monolithic torch.cuda.graph per size (attention's length
+frozen at capture); one torch.cuda.CUDAGraph per segment per size (the
+peers' way). Each captures largest size first into its own shared
+torch.cuda.MemPool, and every size of every variant is checked against eager
+before the pool is measured.
+
+    python -m benchmarks.memory [--quick] [--out results] [--layers 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from benchmarks.common import device_meta, write_outputs
+from benchmarks.decoder import (
+    BatchInputs,
+    Decoder,
+    DecoderConfig,
+    capture_breakgraph_sizes,
+    capture_monolithic_sizes,
+    capture_piecewise_sizes,
+    check_sizes,
+    graphs_replay,
+    runner_replay,
+)
+from breakgraph.pool import pool_bytes
+
+LENGTH = 1015
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small smoke run: 2 layers, sizes 1, 2, 4, 8")
+    parser.add_argument("--out", default="results")
+    parser.add_argument("--layers", type=int, default=None)
+    args = parser.parse_args(argv)
+    config = DecoderConfig(layers=args.layers or (2 if args.quick else 16))
+    all_sizes = [1, 2, 4, 8] if args.quick else [1, 2, 4, 8, 16, 32, 64]
+
+    decoder = Decoder(config, max_batch=max(all_sizes))
+    inputs = BatchInputs(decoder, max(all_sizes), LENGTH)
+    stream = torch.cuda.Stream()
+    inputs.warm_up(all_sizes, stream)
+    rows = []
+    for count in range(1, len(all_sizes) + 1):
+        sizes = all_sizes[:count]
+        measured = {}
+
+        runner = capture_breakgraph_sizes(inputs, sizes)
+        worst = check_sizes(inputs, runner_replay(inputs, runner), sizes)
+        measured["breakgraph"] = (pool_bytes(runner.pool), worst)
+        del runner
+
+        pool = torch.cuda.MemPool()
+        graphs = capture_monolithic_sizes(inputs, sizes, pool.id, stream)
+        worst = check_sizes(inputs, graphs_replay(graphs), sizes)
+        measured["monolithic torch.cuda.graph per size"] = (pool_bytes(pool), worst)
+        del graphs, pool
+
+        pool = torch.cuda.MemPool()
+        graphs = capture_piecewise_sizes(inputs, sizes, pool.id, stream)
+        worst = check_sizes(inputs, graphs_replay(graphs), sizes)
+        measured["torch CUDAGraph per segment, per size"] = (pool_bytes(pool), worst)
+        del graphs, pool
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+        for name, (nbytes, worst) in measured.items():
+            rows.append(
+                {
+                    "sizes": f"1..{sizes[-1]}",
+                    "largest": sizes[-1],
+                    "variant": name,
+                    "pool_mib": round(nbytes / 2**20, 2),
+                    "max_abs_diff_vs_eager": round(worst, 4),
+                }
+            )
+        monolithic = measured["monolithic torch.cuda.graph per size"][0]
+        rows.append(
+            {
+                "sizes": f"1..{sizes[-1]}",
+                "largest": sizes[-1],
+                "variant": "ratios",
+                "pool_mib": f"breakgraph/monolithic {measured['breakgraph'][0] / monolithic:.3f}x",
+            }
+        )
+    meta = device_meta() | {"config": {k: str(v) for k, v in vars(config).items()}, "kv_length": LENGTH}
+    write_outputs("memory", rows, ["sizes", "variant", "pool_mib", "max_abs_diff_vs_eager"], args.out, meta, draw)
+    return 0
+
+
+def draw(ax, rows):
+    for variant in dict.fromkeys(r["variant"] for r in rows):
+        points = [(r["largest"], r["pool_mib"]) for r in rows if r["variant"] == variant]
+        ax.plot(*zip(*points), marker="o", label=variant)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("largest batch size captured (all powers of two up to it, one pool)")
+    ax.set_ylabel("pool MiB (lower is better)")
+    ax.set_title(f"Memory pool of the captured decoder ({torch.cuda.get_device_name()})")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
