@@ -27,7 +27,7 @@ import time
 import torch
 
 import breakgraph as bg
-from benchmarks.common import device_meta, noop, replay_each, write_outputs
+from benchmarks.common import device_meta, noop, plot_lines, replay_each, write_outputs
 from benchmarks.decoder import (
     BatchInputs,
     Decoder,
@@ -190,10 +190,7 @@ def main(argv=None) -> int:
 
 
 def draw(ax, rows):
-    for variant in dict.fromkeys(r["variant"] for r in rows):
-        points = [(r["breaks"], r["capture_ms"]) for r in rows if r["variant"] == variant]
-        ax.plot(*zip(*points), marker="o", label=variant)
-    ax.set_xscale("log", base=2)
+    plot_lines(ax, rows, "breaks", "capture_ms")
     ax.set_yscale("log")
     ax.set_xlabel("breaks in the region")
     ax.set_ylabel("capture time (ms, lower is better)")

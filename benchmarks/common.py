@@ -62,6 +62,25 @@ def write_outputs(name: str, rows: list[dict], columns: list[str], out_dir: str 
     return out_dir
 
 
+def plot_lines(ax, rows: list[dict], x: str, y: str) -> None:
+    """One line per variant: ``y`` against ``x`` (log2 x axis)."""
+    for variant in dict.fromkeys(r["variant"] for r in rows):
+        points = [(r[x], r[y]) for r in rows if r["variant"] == variant]
+        ax.plot(*zip(*points), marker="o", label=variant)
+    ax.set_xscale("log", base=2)
+
+
+def plot_grouped_bars(ax, rows: list[dict], group: str, y: str, group_label) -> None:
+    """Bars of ``y`` grouped by ``group`` (one bar per variant in each group)."""
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    groups = sorted({r[group] for r in rows})
+    width = 0.8 / len(variants)
+    for i, variant in enumerate(variants):
+        values = [next(r[y] for r in rows if r["variant"] == variant and r[group] == g) for g in groups]
+        ax.bar([j + i * width for j in range(len(groups))], values, width, label=variant)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))], [group_label(g) for g in groups])
+
+
 @bg.eager_on_graph
 def noop():
     """A break with no work: what the benchmarks put between segments."""

@@ -24,7 +24,7 @@ import time
 import torch
 
 import breakgraph as bg
-from benchmarks.common import device_meta, time_per_call_us, time_variants, write_outputs
+from benchmarks.common import device_meta, plot_grouped_bars, time_per_call_us, time_variants, write_outputs
 from benchmarks.decoder import (
     AttentionMetadata,
     Decoder,
@@ -216,12 +216,7 @@ def main(argv=None) -> int:
 
 
 def draw(ax, rows):
-    batches = sorted({r["batch"] for r in rows})
-    width = 0.8 / len(VARIANTS)
-    for i, variant in enumerate(VARIANTS):
-        values = [next(r["step_ms"] for r in rows if r["variant"] == variant and r["batch"] == b) for b in batches]
-        ax.bar([j + i * width for j in range(len(batches))], values, width, label=variant)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(batches))], [f"batch {b}" for b in batches])
+    plot_grouped_bars(ax, rows, "batch", "step_ms", lambda batch: f"batch {batch}")
     ax.set_yscale("log")
     ax.set_ylabel("step latency (ms, lower is better)")
     ax.set_title(f"Decode step, Llama-style decoder ({torch.cuda.get_device_name()})")

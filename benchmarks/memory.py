@@ -16,7 +16,7 @@ import argparse
 
 import torch
 
-from benchmarks.common import device_meta, write_outputs
+from benchmarks.common import device_meta, plot_lines, write_outputs
 from benchmarks.decoder import (
     BatchInputs,
     Decoder,
@@ -95,10 +95,7 @@ def main(argv=None) -> int:
 
 
 def draw(ax, rows):
-    for variant in dict.fromkeys(r["variant"] for r in rows):
-        points = [(r["largest"], r["pool_mib"]) for r in rows if r["variant"] == variant]
-        ax.plot(*zip(*points), marker="o", label=variant)
-    ax.set_xscale("log", base=2)
+    plot_lines(ax, rows, "largest", "pool_mib")
     ax.set_xlabel("largest batch size captured (all powers of two up to it, one pool)")
     ax.set_ylabel("pool MiB (lower is better)")
     ax.set_title(f"Memory pool of the captured decoder ({torch.cuda.get_device_name()})")

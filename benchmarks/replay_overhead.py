@@ -16,7 +16,7 @@ import torch
 
 import bindings
 import breakgraph as bg
-from benchmarks.common import device_meta, noop, replay_each, time_variants, write_outputs
+from benchmarks.common import device_meta, noop, plot_grouped_bars, replay_each, time_variants, write_outputs
 
 
 def step(x):
@@ -116,13 +116,7 @@ def main(argv=None) -> int:
 
 
 def draw(ax, rows):
-    variants = list(dict.fromkeys(r["variant"] for r in rows))
-    sizes = sorted({r["segments"] for r in rows})
-    width = 0.8 / len(variants)
-    for i, variant in enumerate(variants):
-        values = [next(r["us_per_segment"] for r in rows if r["variant"] == variant and r["segments"] == n) for n in sizes]
-        ax.bar([j + i * width for j in range(len(sizes))], values, width, label=variant)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sizes))], [f"{n} segments" for n in sizes])
+    plot_grouped_bars(ax, rows, "segments", "us_per_segment", lambda n: f"{n} segments")
     ax.set_ylabel("µs per segment (lower is better)")
     ax.set_title(f"Replay overhead per segment ({torch.cuda.get_device_name()})")
 
