@@ -305,6 +305,29 @@ def test_capture_error_modes():
         bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph(), capture_error_mode="loose")
 
 
+@pytest.mark.parametrize("mode", ["global", "thread_local"])
+def test_capture_follows_the_callers_pending_work(mode):
+    x = torch.zeros(1 << 16, device=DEV)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)  # keep the caller's stream busy
+    x.fill_(3.0)  # still pending when the capture starts
+    seen = {}
+
+    @bg.eager_on_graph
+    def read(t):
+        seen["value"] = t.max().item()  # a host sync: fine inside a break
+        return t * 2
+
+    graph = bg.BreakableCUDAGraph()
+    with bg.BreakableCUDAGraphCapture(graph, capture_error_mode=mode):
+        out = read(x) + 1
+    assert seen["value"] == 3.0, "the break ran before the caller's pending work"
+    x.fill_(5.0)
+    poison_(out)
+    graph.replay()
+    assert_close(out, torch.full_like(x, 11.0))
+
+
 def test_is_capturing_in_graph_and_eager_parts_not_on_replay():
     seen = []
 
