@@ -3,7 +3,8 @@
 Part 1, side by side in one run: breakgraph (one BreakableCUDAGraphCapture,
 with and without watching ops for random ones: ``random_ops``);
 one torch.cuda.CUDAGraph per segment through capture_begin/capture_end (vLLM's
-way); one torch.cuda.graph(...) context per segment (Meta's way). Each region
+way); one torch.cuda.graph(...) context per segment (Meta's way); and the
+floor, bare cuda.bindings capture and instantiation per segment. Each region
 is N segments of a tiny kernel with a no-op eager function between them.
 
 Part 2, an engine's start-up: the decoder of ``decode_step`` captured at the
@@ -26,6 +27,7 @@ import time
 
 import torch
 
+import bindings
 import breakgraph as bg
 from benchmarks.common import device_meta, noop, plot_lines, replay_each, write_outputs
 from benchmarks.decoder import (
@@ -75,6 +77,28 @@ def graph_context_per_segment(n, x, pool, stream):
     return replay_each(graphs, noop)
 
 
+def capture_bare(n, x, stream):
+    """The floor: cuda.bindings begin/end/instantiate per segment and the no-op
+    break between them, with none of breakgraph's bookkeeping."""
+    executables = []
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream):
+        for _ in range(n):
+            bindings.begin_capture(stream)
+            x.add_(1)
+            graph = bindings.end_capture(stream)
+            executables.append((graph, graph.instantiate()))
+            noop()
+
+    def replay():
+        stream = torch.cuda.current_stream()
+        for _graph, executable in executables:
+            executable.launch(stream)
+            noop()
+
+    return replay
+
+
 def timed_capture(make, repeats):
     """Median ms of ``make()`` over ``repeats``; every result is kept until the end, so
     no capture pays for releasing an earlier one. Returns the ms and the last result."""
@@ -97,6 +121,7 @@ def break_count_rows(sizes, repeats) -> list[dict]:
         "breakgraph, random_ops='error'": lambda n: capture_breakgraph(n, x, None, random_ops="error"),
         "capture_begin/capture_end per segment": lambda n: capture_begin_end(n, x, torch.cuda.graph_pool_handle(), stream),
         "torch.cuda.graph context per segment": lambda n: graph_context_per_segment(n, x, torch.cuda.graph_pool_handle(), stream),
+        "bare cuda.bindings capture per segment (floor)": lambda n: capture_bare(n, x, stream),
     }
     for make in makers.values():  # first-use costs, on no variant's account
         timed_capture(lambda: make(8), 2)
@@ -111,6 +136,7 @@ def break_count_rows(sizes, repeats) -> list[dict]:
             assert torch.all(x == n), f"{name}: replay gave {x[0].item()}, eager gives {n}"
             rows.append({"breaks": n, "variant": name, "capture_ms": round(ms[name], 2)})
         context, begin_end = ms["torch.cuda.graph context per segment"], ms["capture_begin/capture_end per segment"]
+        floor = ms["bare cuda.bindings capture per segment (floor)"]
         for name in ("breakgraph", "breakgraph, random_ops='error'"):
             rows.append(
                 {
@@ -118,7 +144,7 @@ def break_count_rows(sizes, repeats) -> list[dict]:
                     "variant": "ratios",
                     "capture_ms": (
                         f"{name}: context-per-segment/it {context / ms[name]:.2f}x; "
-                        f"begin-end/it {begin_end / ms[name]:.2f}x"
+                        f"begin-end/it {begin_end / ms[name]:.2f}x; it/floor {ms[name] / floor:.2f}x"
                     ),
                 }
             )
