@@ -1,0 +1,79 @@
+"""The bindings layer on a GPU: capture, instantiate, upload, launch, exec update, destroy."""
+
+import pytest
+import torch
+
+import bindings
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+def _capture(stream, fn) -> bindings.Graph:
+    with torch.cuda.stream(stream):
+        bindings.begin_capture(stream)
+        try:
+            fn()
+        finally:
+            graph = bindings.end_capture(stream)
+    return graph
+
+
+def test_capture_instantiate_upload_launch_and_update():
+    stream = torch.cuda.Stream()
+    x, y = torch.randn(4096, device=DEV), torch.empty(4096, device=DEV)
+    torch.cuda.synchronize()
+    doubled = _capture(stream, lambda: torch.mul(x, 2.0, out=y))
+    tripled = _capture(stream, lambda: torch.mul(x, 3.0, out=y))
+    assert doubled.num_nodes == tripled.num_nodes >= 1
+    executable = doubled.instantiate()
+    executable.upload(stream)
+    y.fill_(float("nan"))
+    torch.cuda.synchronize()
+    executable.launch(stream)
+    bindings.synchronize(stream)
+    torch.testing.assert_close(y, x * 2)
+    executable.update(tripled)  # same topology, new scalar: the executable now triples
+    executable.launch(stream)
+    bindings.synchronize(stream)
+    torch.testing.assert_close(y, x * 3)
+    executable.destroy()
+    executable.destroy()  # a second destroy does nothing
+    doubled.destroy()
+    assert not executable.alive and not doubled.alive
+
+
+def test_capture_status_and_info_follow_the_capture():
+    stream = torch.cuda.Stream()
+    x = torch.zeros(16, device=DEV)
+    torch.cuda.synchronize()
+    assert bindings.capture_status(stream) is bindings.CaptureStatus.NONE
+    assert bindings.capture_info(stream).status is bindings.CaptureStatus.NONE
+    with torch.cuda.stream(stream):
+        bindings.begin_capture(stream, "thread_local")
+        first = bindings.capture_info(stream)
+        x.add_(1)
+        after_add = bindings.capture_info(stream)
+        assert bindings.capture_status(stream) is bindings.CaptureStatus.ACTIVE
+        graph = bindings.end_capture(stream)
+    assert first.status is bindings.CaptureStatus.ACTIVE and first.capture_id > 0
+    assert first.dependencies == () and len(after_add.dependencies) == 1
+    assert after_add.capture_id == first.capture_id
+    assert graph.num_nodes == 1
+    assert bindings.capture_status(stream) is bindings.CaptureStatus.NONE
+
+
+def test_exchange_capture_mode_returns_the_previous_mode():
+    previous = bindings.exchange_capture_mode("relaxed")
+    try:
+        assert bindings.exchange_capture_mode("relaxed") is bindings.CaptureMode.RELAXED
+    finally:
+        bindings.exchange_capture_mode(previous)
+
+
+def test_ending_a_stream_that_is_not_capturing_raises_a_named_error():
+    stream = torch.cuda.Stream()
+    with pytest.raises(bindings.CudaError) as info:
+        bindings.end_capture(stream)
+    assert info.value.name.startswith("cudaError") and "cudaStreamEndCapture" in str(info.value)
+    bindings.clear_last_error()
