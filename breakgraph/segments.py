@@ -57,15 +57,9 @@ class EagerSegment:
     def replayer(self) -> Callable[[], None]:
         """:meth:`replay` with its lookups done once: replay's loop calls it for every break."""
         segment, function, args, kwargs, write = self, self.function, self.args, self.kwargs, self.write
-        if kwargs:
 
-            def replay() -> None:
-                segment.bytes_written = write(function(*args, **kwargs))
-
-        else:
-
-            def replay() -> None:
-                segment.bytes_written = write(function(*args))
+        def replay() -> None:
+            segment.bytes_written = write(function(*args, **kwargs))
 
         return replay
 

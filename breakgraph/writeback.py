@@ -68,30 +68,23 @@ class _NoneWriter:
 class _TensorWriter:
     """The common case, kept to a handful of attribute reads: it runs once per break per replay."""
 
-    __slots__ = ("function_name", "captured", "nbytes", "shape", "dtype", "device_index", "data_ptr", "stride")
+    __slots__ = ("function_name", "captured", "nbytes")
 
     def __init__(self, function_name: str, captured: torch.Tensor):
         self.function_name = function_name
         self.captured = captured
         self.nbytes = captured.numel() * captured.element_size()
-        self.shape, self.dtype, self.device_index = captured.shape, captured.dtype, captured.get_device()
-        self.data_ptr, self.stride = captured.data_ptr(), captured.stride()
 
     def __call__(self, result) -> int:
-        if result is self.captured:
+        captured = self.captured
+        if result is captured:
             return 0
-        if (
-            type(result) is not torch.Tensor
-            or result.shape != self.shape
-            or result.dtype != self.dtype
-            or result.get_device() != self.device_index
-        ):
-            problem = _tensor_mismatch(self.captured, result)
-            if problem is not None:
-                _fail(self.function_name, "out", problem)
-        if result.data_ptr() == self.data_ptr and result.stride() == self.stride:
+        problem = _tensor_mismatch(captured, result)
+        if problem is not None:
+            _fail(self.function_name, "out", problem)
+        if _same_storage(captured, result):
             return 0
-        self.captured.copy_(result)  # replay runs under no_grad: no autograd bookkeeping here
+        captured.copy_(result)  # replay runs under no_grad: no autograd bookkeeping here
         return self.nbytes
 
 
