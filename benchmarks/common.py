@@ -27,6 +27,16 @@ def time_per_call_us(fn, iters: int, repeats: int = 5) -> float:
     return statistics.median(results)
 
 
+def run_on_stream(stream: torch.cuda.Stream, fn):
+    """``fn()`` with ``stream`` current, after the current stream's queued work and before
+    its later work (a side stream's fork and join); returns what ``fn`` returns."""
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        result = fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    return result
+
+
 def time_variants(variants: dict, iters: int, repeats: int = 7) -> dict:
     """Median µs per call of each variant; the repeats are interleaved (a, b, c, a, b, c, …)
     so that the machine's drift during the run falls on every variant alike."""

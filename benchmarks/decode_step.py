@@ -24,7 +24,7 @@ import time
 import torch
 
 import breakgraph as bg
-from benchmarks.common import device_meta, plot_grouped_bars, time_per_call_us, time_variants, write_outputs
+from benchmarks.common import device_meta, plot_grouped_bars, run_on_stream, time_per_call_us, time_variants, write_outputs
 from benchmarks.decoder import (
     AttentionMetadata,
     Decoder,
@@ -52,10 +52,8 @@ class Step:
         self.x = torch.randn(batch, hidden, device="cuda", dtype=decoder.config.dtype)
         self.positions = torch.full((batch,), self.meta.length, device="cuda", dtype=torch.long)
 
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm up: cuBLAS handles, kernels' first loads
-            decoder.step(self.x, self.positions, self.meta)
-        torch.cuda.current_stream().wait_stream(stream)
+        # Warm up: cuBLAS handles, kernels' first loads.
+        run_on_stream(stream, lambda: decoder.step(self.x, self.positions, self.meta))
 
         self.graph = bg.BreakableCUDAGraph()
         with bg.BreakableCUDAGraphCapture(self.graph, stream=stream):

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import breakgraph as bg
+from benchmarks.common import run_on_stream
 
 
 @dataclass(frozen=True)
@@ -145,13 +146,13 @@ class TorchPiecewise:
 
     def capture(self, fn, stream: torch.cuda.Stream):
         """Capture ``fn(attend)`` on ``stream``; return its output."""
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        def capture():
             self._begin()
             output = fn(self.attend)
             self._end()
-        torch.cuda.current_stream().wait_stream(stream)
-        return output
+            return output
+
+        return run_on_stream(stream, capture)
 
     def _begin(self) -> None:
         self._graph = torch.cuda.CUDAGraph()
@@ -194,11 +195,12 @@ class BatchInputs:
     def warm_up(self, sizes, stream: torch.cuda.Stream) -> None:
         """One eager step at every size on ``stream``: CUDA loads each kernel on first use, and
         cuBLAS makes the stream's workspace; neither belongs to any variant's capture."""
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+
+        def steps():
             for size in sizes:
                 self.decoder.step(self.x[:size], self.positions[:size], self.meta)
-        torch.cuda.current_stream().wait_stream(stream)
+
+        run_on_stream(stream, steps)
         torch.cuda.synchronize()
 
     def refill(self, size: int) -> torch.Tensor:
@@ -225,11 +227,12 @@ def capture_piecewise_sizes(inputs: BatchInputs, sizes, pool, stream, warmup: in
     captured = {}
     for size in sorted(sizes, reverse=True):
         x, positions = inputs.x[:size], inputs.positions[:size]
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+
+        def warm_up():
             for _ in range(warmup):
                 inputs.decoder.step(x, positions, inputs.meta)
-        torch.cuda.current_stream().wait_stream(stream)
+
+        run_on_stream(stream, warm_up)
         piecewise = TorchPiecewise(pool)
         output = piecewise.capture(lambda attend: inputs.decoder.step(x, positions, inputs.meta, attend), stream)
         captured[size] = (piecewise, output)

@@ -16,7 +16,7 @@ import torch
 
 import bindings
 import breakgraph as bg
-from benchmarks.common import device_meta, noop, plot_grouped_bars, replay_each, time_variants, write_outputs
+from benchmarks.common import device_meta, noop, plot_grouped_bars, replay_each, run_on_stream, time_variants, write_outputs
 
 
 def step(x):
@@ -25,10 +25,7 @@ def step(x):
 
 def build_variants(n: int, x: torch.Tensor):
     stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step(x)  # warm up
-    torch.cuda.current_stream().wait_stream(stream)
+    run_on_stream(stream, lambda: step(x))  # warm up
     torch.cuda.synchronize()
 
     def eager():
