@@ -40,7 +40,6 @@ from benchmarks.decoder import (
     graphs_replay,
     runner_replay,
 )
-from breakgraph.runner import default_capture_sizes
 
 
 def capture_breakgraph(n, x, pool, random_ops="break"):
@@ -207,7 +206,7 @@ def main(argv=None) -> int:
     write_outputs("capture_time", rows, ["breaks", "variant", "capture_ms"], args.out, meta, draw)
 
     config = DecoderConfig(layers=args.layers or (2 if args.quick else 16))
-    sizes = default_capture_sizes(16 if args.quick else 256)
+    sizes = bg.default_capture_sizes(16 if args.quick else 256)
     rows = startup_rows(config, sizes, 1 if args.quick else 3)
     meta |= {"config": {k: str(v) for k, v in vars(config).items()}, "batch_sizes": sizes}
     columns = ["sizes", "variant", "capture_ms", "ms_per_size", "max_abs_diff_vs_eager"]

@@ -11,8 +11,6 @@ import torch
 
 import breakgraph as bg
 
-from breakgraph.debug import format_table
-
 
 def time_per_call_us(fn, iters: int, repeats: int = 5) -> float:
     """Median over ``repeats`` of the wall time per call of ``fn`` (host issue + GPU drain), in µs."""
@@ -25,16 +23,6 @@ def time_per_call_us(fn, iters: int, repeats: int = 5) -> float:
         torch.cuda.synchronize()
         results.append((time.perf_counter() - start) / iters * 1e6)
     return statistics.median(results)
-
-
-def run_on_stream(stream: torch.cuda.Stream, fn):
-    """``fn()`` with ``stream`` current, after the current stream's queued work and before
-    its later work (a side stream's fork and join); returns what ``fn`` returns."""
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        result = fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    return result
 
 
 def time_variants(variants: dict, iters: int, repeats: int = 7) -> dict:
@@ -54,7 +42,7 @@ def write_outputs(name: str, rows: list[dict], columns: list[str], out_dir: str 
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    print(format_table(rows, columns))
+    print(bg.format_table(rows, columns))
     (out_dir / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     import matplotlib
 

@@ -24,7 +24,8 @@ import time
 import torch
 
 import breakgraph as bg
-from benchmarks.common import device_meta, plot_grouped_bars, run_on_stream, time_per_call_us, time_variants, write_outputs
+from breakgraph.runtime import run_on_stream
+from benchmarks.common import device_meta, plot_grouped_bars, time_per_call_us, time_variants, write_outputs
 from benchmarks.decoder import (
     AttentionMetadata,
     Decoder,

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import breakgraph as bg
-from benchmarks.common import run_on_stream
+from breakgraph.runtime import run_on_stream
 
 
 @dataclass(frozen=True)

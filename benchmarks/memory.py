@@ -16,6 +16,8 @@ import argparse
 
 import torch
 
+import breakgraph as bg
+
 from benchmarks.common import device_meta, plot_lines, write_outputs
 from benchmarks.decoder import (
     BatchInputs,
@@ -28,7 +30,6 @@ from benchmarks.decoder import (
     graphs_replay,
     runner_replay,
 )
-from breakgraph.pool import pool_bytes
 
 LENGTH = 1015
 
@@ -53,19 +54,19 @@ def main(argv=None) -> int:
 
         runner = capture_breakgraph_sizes(inputs, sizes)
         worst = check_sizes(inputs, runner_replay(inputs, runner), sizes)
-        measured["breakgraph"] = (pool_bytes(runner.pool), worst)
+        measured["breakgraph"] = (bg.pool_bytes(runner.pool), worst)
         del runner
 
         pool = torch.cuda.MemPool()
         graphs = capture_monolithic_sizes(inputs, sizes, pool.id, stream)
         worst = check_sizes(inputs, graphs_replay(graphs), sizes)
-        measured["monolithic torch.cuda.graph per size"] = (pool_bytes(pool), worst)
+        measured["monolithic torch.cuda.graph per size"] = (bg.pool_bytes(pool), worst)
         del graphs, pool
 
         pool = torch.cuda.MemPool()
         graphs = capture_piecewise_sizes(inputs, sizes, pool.id, stream)
         worst = check_sizes(inputs, graphs_replay(graphs), sizes)
-        measured["torch CUDAGraph per segment, per size"] = (pool_bytes(pool), worst)
+        measured["torch CUDAGraph per segment, per size"] = (bg.pool_bytes(pool), worst)
         del graphs, pool
         torch.cuda.synchronize()
         torch.cuda.empty_cache()

@@ -16,7 +16,8 @@ import torch
 
 import bindings
 import breakgraph as bg
-from benchmarks.common import device_meta, noop, plot_grouped_bars, replay_each, run_on_stream, time_variants, write_outputs
+from breakgraph.runtime import run_on_stream
+from benchmarks.common import device_meta, noop, plot_grouped_bars, replay_each, time_variants, write_outputs
 
 
 def step(x):

@@ -5,14 +5,18 @@ breaks, so the few parts of a model that cannot be captured run eagerly
 while the rest keeps the launch-overhead savings of graphs.
 """
 
-from breakgraph.capture import BreakableCUDAGraph, BreakableCUDAGraphCapture
+from breakgraph.capture import BreakableCUDAGraphCapture
 from breakgraph.context import is_capturing
 from breakgraph.debug import SegmentError
 from breakgraph.dispatch import UncapturableOpError
 from breakgraph.eager import break_graph, eager_on_graph
+from breakgraph.graph import BreakableCUDAGraph
 from breakgraph.graphed import GraphedCallable, graphed
+from breakgraph.pool import pool_bytes
 from breakgraph.runner import GraphRunner
+from breakgraph.sizes import default_capture_sizes
 from breakgraph.streams import StreamJoinError
+from breakgraph.tables import format_table
 from breakgraph.writeback import WritebackError
 
 __all__ = [
@@ -25,7 +29,10 @@ __all__ = [
     "UncapturableOpError",
     "WritebackError",
     "break_graph",
+    "default_capture_sizes",
     "eager_on_graph",
+    "format_table",
     "graphed",
     "is_capturing",
+    "pool_bytes",
 ]

@@ -1,34 +1,46 @@
-"""Which capture, if any, is active on this thread.
+"""Which capture, if any, is active on this thread, and what the rest of the engine may ask of it.
 
 State lives in a ``ContextVar`` so every thread (and asyncio task) sees only
 its own capture. Autograd's device threads are kept out of the picture by
 running captures with autograd multithreading off, so backward passes, and
 the breaks inside them, run on the capturing thread.
+
+:class:`ActiveCapture` is the whole interface that ``eager``, ``dispatch`` and
+``streams`` use; they never name the class that implements it.
 """
 
 from __future__ import annotations
 
-from contextvars import ContextVar
-from typing import TYPE_CHECKING, Optional
-
-if TYPE_CHECKING:
-    from breakgraph.capture import CaptureSession
-
-_session: ContextVar[Optional["CaptureSession"]] = ContextVar("breakgraph_capture", default=None)
-
-current_session = _session.get
+from contextvars import ContextVar, Token
+from typing import Any, Callable, Optional, Protocol
 
 
-def activate(session: "CaptureSession"):
-    """Make ``session`` this thread's capture; returns the token for :func:`deactivate`."""
-    return _session.set(session)
+class ActiveCapture(Protocol):
+    segment_open: bool
+    """True while a graph segment is recording; False inside an eager break."""
+
+    tracker: Any
+    """The side-stream fork/join tracker of this capture (:class:`breakgraph.streams.ForkJoinTracker`)."""
+
+    def run_break(self, function: Callable, args: tuple, kwargs: dict, name: str | None = None) -> Any:
+        """End the open segment, run ``function`` eagerly and record it, begin the next segment."""
 
 
-def deactivate(token) -> None:
-    _session.reset(token)
+_active: ContextVar[Optional[ActiveCapture]] = ContextVar("breakgraph_capture", default=None)
+
+current = _active.get
+
+
+def activate(capture: ActiveCapture) -> Token:
+    """Make ``capture`` this thread's capture; returns the token for :func:`deactivate`."""
+    return _active.set(capture)
+
+
+def deactivate(token: Token) -> None:
+    _active.reset(token)
 
 
 def is_capturing() -> bool:
     """True inside an active breakable capture (its graph parts and its eager
     breaks), False outside it and during replay."""
-    return _session.get() is not None
+    return _active.get() is not None

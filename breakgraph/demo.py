@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import breakgraph as bg
+from breakgraph import diagnostics, runtime
 
 
 @bg.eager_on_graph
@@ -71,10 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)
-    on_gpu = _eager_reason() is None
+    eager_reason = runtime.eager_fallback_reason()
+    on_gpu = eager_reason is None
     device = "cuda" if on_gpu else "cpu"
     if not on_gpu:
-        print(f"breakgraph demo: {_eager_reason()}; running the eager path (same model code, no graphs)")
+        print(f"breakgraph demo: {eager_reason}; running the eager path (same model code, no graphs)")
     model = TinyTransformer().to(device).eval()
     static_x = torch.randn(args.batch, args.seq, 256, device=device)
 
@@ -96,19 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     if on_gpu:
         graph = step.graph
         print(f"captured: {graph.num_graphs} graph segments, {graph.num_eager_breaks} eager breaks")
-        graph.summary()
-        from breakgraph.debug import format_profile, plot_profile
-
-        rows = graph.profile(iters=20)
-        print(format_profile(rows))
-        print(f"profile plot: {plot_profile(rows, args.plot)}")
+        diagnostics.summary(graph)
+        rows = diagnostics.profile(graph, iters=20)
+        print(diagnostics.format_profile(rows))
+        print(f"profile plot: {diagnostics.plot_profile(rows, args.plot)}")
         print(f"time per step: eager {eager_ms:.3f} ms, breakable replay {replay_ms:.3f} ms ({eager_ms / replay_ms:.2f}x)")
     else:
         print(f"time per step (eager path): {replay_ms:.3f} ms; plain model call {eager_ms:.3f} ms")
     return 0 if worst < 1e-3 else 1
-
-
-def _eager_reason() -> str | None:
-    from breakgraph.graphed import eager_fallback_reason
-
-    return eager_fallback_reason()

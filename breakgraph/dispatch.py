@@ -20,6 +20,8 @@ import re
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from breakgraph.context import ActiveCapture
+
 _aten = torch.ops.aten
 
 # Ops whose CUDA implementation synchronizes with the host: the data decides
@@ -104,18 +106,18 @@ def _kind(func) -> int:
 class CaptureDispatchMode(TorchDispatchMode):
     """Active for the whole capture; acts only while a graph segment is open."""
 
-    def __init__(self, session):
+    def __init__(self, capture: ActiveCapture):
         super().__init__()
-        self.session = session
+        self.capture = capture
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        session = self.session
-        if not session.segment_open:  # inside an eager break: plain eager semantics
+        capture = self.capture
+        if not capture.segment_open:  # inside an eager break: plain eager semantics
             return func(*args, **kwargs)
         kind = _kind(func)
         if kind == _Kind.RANDOM:
-            return session.run_break(func, args, kwargs, name=f"random {func}")
+            return capture.run_break(func, args, kwargs, name=f"random {func}")
         if kind == _Kind.HOST_SYNC and _touches_cuda(args, kwargs):
             raise uncapturable(f"{func} (it synchronizes the GPU with the host)")
         try:
@@ -124,3 +126,15 @@ class CaptureDispatchMode(TorchDispatchMode):
             if is_capture_violation(error):
                 raise uncapturable(str(func), error) from error
             raise
+
+
+def clearer_error(error: BaseException) -> UncapturableOpError | None:
+    """CUDA's or torch's bare refusal of an op during capture, as an error that names the
+    remedy; None when ``error`` is something else (or already says it)."""
+    if isinstance(error, UncapturableOpError):
+        return None
+    if is_random_op_refusal(error):
+        return random_op_uncapturable(error)
+    if is_capture_violation(error):
+        return uncapturable("an operation in this graph segment", error)
+    return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from typing import Callable, TypeVar, overload
 
-from breakgraph.context import current_session
+from breakgraph import context
 
 F = TypeVar("F", bound=Callable)
 
@@ -36,10 +36,10 @@ def eager_on_graph(function=None, *, enable: bool = True):
 
     @functools.wraps(function)
     def run(*args, **kwargs):
-        session = current_session()
-        if session is None or not session.segment_open:
+        capture = context.current()
+        if capture is None or not capture.segment_open:
             return function(*args, **kwargs)
-        return session.run_break(function, args, kwargs)
+        return capture.run_break(function, args, kwargs)
 
     return run
 
@@ -53,6 +53,6 @@ def break_graph() -> None:
 
     Outside a capture it does nothing.
     """
-    session = current_session()
-    if session is not None and session.segment_open:
-        session.run_break(_split_point, (), {}, name="break_graph")
+    capture = context.current()
+    if capture is not None and capture.segment_open:
+        capture.run_break(_split_point, (), {}, name="break_graph")

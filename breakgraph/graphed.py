@@ -1,4 +1,8 @@
-"""The callable form: capture ``fn`` on static arguments once, replay it many times."""
+"""The callable form: capture ``fn`` on static arguments once, replay it many times.
+
+``graphed`` and every graph of a :class:`~breakgraph.GraphRunner` go through
+:class:`GraphedCallable`: warm-up, debug mode and capture are written once.
+"""
 
 from __future__ import annotations
 
@@ -7,18 +11,11 @@ from typing import Any, Callable
 
 import torch
 
-from breakgraph.capture import BreakableCUDAGraph, BreakableCUDAGraphCapture, _default_capture_stream
-from breakgraph.config import capture_disabled, cuda_available, debug_requested
+from breakgraph import runtime, trees
+from breakgraph.capture import BreakableCUDAGraphCapture
 from breakgraph.eager import eager_on_graph
-
-
-def eager_fallback_reason() -> str | None:
-    """Why callable forms run eagerly here (no GPU, or BREAKGRAPH_DISABLE=1), or None."""
-    if capture_disabled():
-        return "BREAKGRAPH_DISABLE=1 is set"
-    if not cuda_available():
-        return "no CUDA GPU is available"
-    return None
+from breakgraph.graph import BreakableCUDAGraph
+from breakgraph.recorder import parse_random_ops
 
 
 class GraphedCallable:
@@ -26,31 +23,47 @@ class GraphedCallable:
 
     Refill the static argument tensors in place (``x.copy_(new)``) between
     replays. The returned output is the capture-time object, refreshed by
-    every replay: copy what you must keep.
+    every replay: copy what you must keep. Without a GPU, or with
+    ``BREAKGRAPH_DISABLE=1``, ``graph`` is None and replay calls ``fn``.
     """
 
     def __init__(
-        self, fn: Callable, args: tuple, kwargs: dict, *, debug: bool | None, pool, warmup: int, random_ops: str = "break"
+        self,
+        fn: Callable,
+        args: tuple,
+        kwargs: dict,
+        *,
+        debug: bool | None = None,
+        pool=None,
+        warmup: int = 1,
+        random_ops: str = "break",
+        warn: bool = True,
     ):
+        if not callable(fn):
+            raise TypeError(f"expected a callable to capture, got {type(fn).__name__}")
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"warmup must be a number of eager runs >= 0, got {warmup!r}")
         self.fn, self.args, self.kwargs = fn, args, kwargs
-        self.debug = debug_requested(debug)
+        self.debug = runtime.debug_requested(debug)
+        self.random_ops = parse_random_ops(random_ops)
         self.output: Any = None
         self.graph: BreakableCUDAGraph | None = None
-        reason = eager_fallback_reason()
+        reason = runtime.eager_fallback_reason()
         if reason is not None:
-            warnings.warn(f"breakgraph: {reason}; {_name(fn)} runs eagerly on every replay", stacklevel=3)
+            if warn:
+                warnings.warn(f"breakgraph: {reason}; {_name(fn)} runs eagerly on every replay", stacklevel=3)
             return
         self.graph = BreakableCUDAGraph(pool=pool, debug=self.debug)
+        self._capture(warmup)
+
+    def _capture(self, warmup: int) -> None:
+        fn, args, kwargs = self.fn, self.args, self.kwargs
+        stream = runtime.capture_stream(_device_of(args, kwargs))
+        for _ in range(warmup):  # lazy library initialisation must not happen inside the capture
+            runtime.run_on_stream(stream, lambda: fn(*args, **kwargs))
         # Debug mode: the whole function is one eager break, replayed through the same path.
         target = eager_on_graph(fn) if self.debug else fn
-        stream = _default_capture_stream(torch.device("cuda", torch.cuda.current_device()))
-        if warmup:
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(warmup):
-                    fn(*args, **kwargs)
-            torch.cuda.current_stream().wait_stream(stream)
-        with BreakableCUDAGraphCapture(self.graph, stream=stream, random_ops=random_ops):
+        with BreakableCUDAGraphCapture(self.graph, stream=stream, random_ops=self.random_ops):
             self.output = target(*args, **kwargs)
 
     @property
@@ -68,7 +81,16 @@ class GraphedCallable:
 
 
 def _name(fn: Callable) -> str:
-    return getattr(fn, "__qualname__", repr(fn))
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+def _device_of(args: tuple, kwargs: dict) -> torch.device:
+    """The device of the first CUDA tensor argument, else the current device."""
+    leaves, _spec = trees.flatten((args, kwargs), objects=False)
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
+            return leaf.device
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def graphed(

@@ -2,94 +2,31 @@
 
 from __future__ import annotations
 
-import bisect
 import logging
 import time
 import warnings
-from typing import Any, Callable, Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import torch
 
-from breakgraph.capture import BreakableCUDAGraph, BreakableCUDAGraphCapture, _default_capture_stream, _parse_random_ops
-from breakgraph.config import debug_requested
-from breakgraph.debug import format_table
-from breakgraph.eager import eager_on_graph
-from breakgraph.graphed import eager_fallback_reason
+from breakgraph import runtime, trees
+from breakgraph.tables import format_table
+from breakgraph.graph import BreakableCUDAGraph
+from breakgraph.graphed import GraphedCallable
 from breakgraph.pool import new_pool, pool_bytes
+from breakgraph.recorder import parse_random_ops
+from breakgraph.sizes import choose_size, default_capture_sizes, validate_capture_sizes
 
 log = logging.getLogger("breakgraph.runner")
 
 
-def default_capture_sizes(max_size: int) -> list[int]:
-    """The engines' habit: 1, 2, 4, 8, then every multiple of 8 up to ``max_size`` (itself included)."""
-    sizes = [s for s in (1, 2, 4, 8) if s <= max_size] + list(range(16, max_size + 1, 8))
-    if max_size not in sizes:
-        sizes.append(max_size)
-    return sizes
-
-
-def validate_capture_sizes(sizes: Sequence[int], max_size: int) -> list[int]:
-    """Check that ``sizes`` is a strictly increasing list of positive ints no larger than ``max_size``."""
-    sizes = list(sizes)
-    if not sizes:
-        raise ValueError("capture_sizes is empty: give at least one batch size")
-    for size in sizes:
-        if isinstance(size, bool) or not isinstance(size, int):
-            raise TypeError(f"capture_sizes must hold ints, got {size!r}")
-        if size <= 0:
-            raise ValueError(f"capture_sizes must be positive, got {size}")
-        if size > max_size:
-            raise ValueError(f"capture size {size} exceeds the static buffers' batch dimension {max_size}")
-    for smaller, larger in zip(sizes, sizes[1:]):
-        if smaller == larger:
-            raise ValueError(f"capture_sizes has {smaller} twice")
-        if smaller > larger:
-            raise ValueError(f"capture_sizes must be sorted ascending: {smaller} comes before {larger}")
-    return sizes
-
-
-def choose_size(sizes: Sequence[int], n: int) -> int | None:
-    """The smallest captured size that holds ``n`` rows, or None above the largest."""
-    index = bisect.bisect_left(sizes, n)
-    return sizes[index] if index < len(sizes) else None
-
-
-def _leaves(inputs) -> list[torch.Tensor]:
+def _arguments(inputs, extra: dict) -> tuple[tuple, dict]:
+    """How ``fn`` is called on ``inputs``: a tensor or a tuple/list positionally, a dict by keyword."""
     if isinstance(inputs, torch.Tensor):
-        return [inputs]
+        return (inputs,), extra
     if isinstance(inputs, dict):
-        return list(inputs.values())
-    return list(inputs)
-
-
-def _call(fn: Callable, inputs, extra: dict):
-    if isinstance(inputs, torch.Tensor):
-        return fn(inputs, **extra)
-    if isinstance(inputs, dict):
-        return fn(**inputs, **extra)
-    return fn(*inputs, **extra)
-
-
-def _map(inputs, transform):
-    if isinstance(inputs, torch.Tensor):
-        return transform(inputs)
-    if isinstance(inputs, dict):
-        return {key: transform(value) for key, value in inputs.items()}
-    return type(inputs)(transform(value) for value in inputs)
-
-
-def _slice_output(output, size: int, n: int, clone: bool):
-    """Rows ``[:n]`` of every output tensor whose dimension 0 is the batch."""
-    if isinstance(output, torch.Tensor):
-        if output.dim() > 0 and output.shape[0] == size:
-            output = output[:n]
-        return output.clone() if clone else output
-    if isinstance(output, (list, tuple)):
-        items = [_slice_output(item, size, n, clone) for item in output]
-        return type(output)(*items) if hasattr(output, "_fields") else type(output)(items)
-    if isinstance(output, dict):
-        return {key: _slice_output(value, size, n, clone) for key, value in output.items()}
-    return output
+        return (), {**inputs, **extra}
+    return tuple(inputs), extra
 
 
 class GraphRunner:
@@ -128,7 +65,9 @@ class GraphRunner:
         debug: bool | None = None,
         random_ops: str = "break",
     ):
-        leaves = _leaves(static_inputs)
+        if not callable(fn):
+            raise TypeError(f"GraphRunner needs a callable to capture, got {type(fn).__name__}")
+        leaves, self._spec = trees.flatten(static_inputs, objects=False)
         if not leaves or not all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in leaves):
             raise TypeError("static_inputs must be a tensor or a tuple/list/dict of tensors with a batch dimension 0")
         self.max_size = leaves[0].shape[0]
@@ -138,6 +77,7 @@ class GraphRunner:
             raise ValueError("give keys and key_fn together, or neither")
         self.fn = fn
         self.static_inputs = static_inputs
+        self._static_leaves = leaves
         self.keys = list(keys) if keys is not None else [None]
         if capture_sizes is None:
             capture_sizes = default_capture_sizes(self.max_size)
@@ -151,25 +91,28 @@ class GraphRunner:
         self.clone = clone
         self.warmup = warmup
         self.progress = progress
-        self.debug = debug_requested(debug)
-        _parse_random_ops(random_ops)
-        self.random_ops = random_ops
+        self.debug = runtime.debug_requested(debug)
+        self.random_ops = parse_random_ops(random_ops)
         self.pool = None
-        self._graphs: dict[tuple[Hashable, int], tuple[BreakableCUDAGraph, Any]] = {}
+        self._graphed: dict[tuple[Hashable, int], GraphedCallable] = {}
         self._capture_seconds: dict[tuple[Hashable, int], float] = {}
-        self._warned_eager = False
-        self.eager_reason = eager_fallback_reason()
+        self._logged_eager = False
+        self.eager_reason = runtime.eager_fallback_reason()
         if self.eager_reason is not None:
             warnings.warn(f"breakgraph: {self.eager_reason}; GraphRunner runs {getattr(fn, '__qualname__', fn)} eagerly", stacklevel=2)
+
+    @property
+    def graphs(self) -> dict[tuple[Hashable, int], BreakableCUDAGraph]:
+        """The captured graph of every (key, size); key is None without ``keys``."""
+        return {key_size: graphed.graph for key_size, graphed in self._graphed.items()}
 
     # -- capture ----------------------------------------------------------------------
     def capture(self) -> "GraphRunner":
         """Capture every (key, size), largest size first, into one shared memory pool."""
         if self.eager_reason is not None:
             return self
-        self.pool = self.pool or new_pool()
-        device = _leaves(self.static_inputs)[0].device
-        stream = _default_capture_stream(device)
+        if self.pool is None:
+            self.pool = new_pool()
         work = sorted(
             ((key, size) for key, sizes in self.sizes_by_key.items() for size in sizes), key=lambda item: -item[1]
         )
@@ -178,22 +121,21 @@ class GraphRunner:
 
             work = tqdm(work, desc="breakgraph: capturing", unit="graph")
         for key, size in work:
-            if (key, size) in self._graphs:
+            if (key, size) in self._graphed:
                 continue
             started = time.perf_counter()
-            views = _map(self.static_inputs, lambda t: t[:size])
-            extra = {} if key is None else {"key": key}
-            if self.warmup:
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    for _ in range(self.warmup):
-                        _call(self.fn, views, extra)
-                torch.cuda.current_stream().wait_stream(stream)
-            graph = BreakableCUDAGraph(pool=self.pool, debug=self.debug)
-            target = eager_on_graph(self.fn) if self.debug else self.fn
-            with BreakableCUDAGraphCapture(graph, stream=stream, random_ops=self.random_ops):
-                output = _call(target, views, extra)
-            self._graphs[(key, size)] = (graph, output)
+            views = trees.map_tensors(lambda tensor: tensor[:size], self.static_inputs)
+            args, kwargs = _arguments(views, {} if key is None else {"key": key})
+            self._graphed[(key, size)] = GraphedCallable(
+                self.fn,
+                args,
+                kwargs,
+                debug=self.debug,
+                pool=self.pool,
+                warmup=self.warmup,
+                random_ops=self.random_ops,
+                warn=False,
+            )
             self._capture_seconds[(key, size)] = time.perf_counter() - started
         return self
 
@@ -208,27 +150,31 @@ class GraphRunner:
 
     def __call__(self, *args, **kwargs):
         inputs = self._live_inputs(args, kwargs)
-        n = _leaves(inputs)[0].shape[0]
-        self._validate(inputs, n)
-        if self.eager_reason is not None:
-            return _call(self.fn, inputs, {} if self.key_fn is None else {"key": self._candidates(inputs)[0]})
-        if not self._graphs:
+        live = self._validate(inputs)
+        n = live[0].shape[0]
+        if self.eager_reason is None and not self._graphed:
             self.capture()
         candidates = self._candidates(inputs)
-        chosen = self.select(n, candidates)
+        chosen = None if self.eager_reason is not None else self.select(n, candidates)
         if chosen is None:
-            if not self._warned_eager:
+            if self.eager_reason is None and not self._logged_eager:
                 log.debug("batch of %d rows fits no captured size: running eagerly", n)
-                self._warned_eager = True
-            return _call(self.fn, inputs, {} if self.key_fn is None else {"key": candidates[0]})
+                self._logged_eager = True
+            call_args, call_kwargs = _arguments(inputs, {} if self.key_fn is None else {"key": candidates[0]})
+            return self.fn(*call_args, **call_kwargs)
         key, size = chosen
-        graph, output = self._graphs[(key, size)]
-        for static, live in zip(_leaves(self.static_inputs), _leaves(inputs)):
-            static[:n].copy_(live)
+        for static, fresh in zip(self._static_leaves, live):
+            static[:n].copy_(fresh)
             if n < size:
                 static[n:size].fill_(self.pad_value)
-        graph.replay()
-        return _slice_output(output, size, n, self.clone)
+        output = self._graphed[(key, size)].replay()
+
+        def rows(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.dim() > 0 and tensor.shape[0] == size:
+                tensor = tensor[:n]
+            return tensor.clone() if self.clone else tensor
+
+        return trees.map_tensors(rows, output)
 
     def _live_inputs(self, args, kwargs):
         if isinstance(self.static_inputs, dict):
@@ -243,19 +189,23 @@ class GraphRunner:
             return args[0]
         return type(self.static_inputs)(args) if not hasattr(self.static_inputs, "_fields") else type(self.static_inputs)(*args)
 
-    def _validate(self, inputs, n: int) -> None:
-        statics, lives = _leaves(self.static_inputs), _leaves(inputs)
+    def _validate(self, inputs) -> list[torch.Tensor]:
+        """The live input tensors, in the static buffers' order, after checking they fit them."""
+        statics = self._static_leaves
         if isinstance(self.static_inputs, dict) and set(inputs) != set(self.static_inputs):
             raise ValueError(f"expected inputs {sorted(self.static_inputs)}, got {sorted(inputs)}")
+        lives, _spec = trees.flatten(inputs, objects=False)
         if len(lives) != len(statics):
             raise ValueError(f"expected {len(statics)} inputs, got {len(lives)}")
-        if n == 0:
-            raise ValueError("empty batch: n = 0 rows; skip the call instead")
         for index, (static, live) in enumerate(zip(statics, lives)):
             if not isinstance(live, torch.Tensor):
                 raise TypeError(f"input {index}: expected a tensor, got {type(live).__name__}")
-            if live.shape[0] != n:
-                raise ValueError(f"input {index}: {live.shape[0]} rows, but input 0 has {n}")
+        n = lives[0].shape[0] if lives[0].dim() > 0 else None
+        if n == 0:
+            raise ValueError("empty batch: n = 0 rows; skip the call instead")
+        for index, (static, live) in enumerate(zip(statics, lives)):
+            if live.dim() == 0 or live.shape[0] != n:
+                raise ValueError(f"input {index}: {live.shape[0] if live.dim() else 'no'} rows, but input 0 has {n}")
             if live.shape[1:] != static.shape[1:]:
                 raise ValueError(
                     f"input {index}: shape {tuple(live.shape)} does not fit static buffer {tuple(static.shape)} "
@@ -263,11 +213,13 @@ class GraphRunner:
                 )
             if live.dtype != static.dtype:
                 raise ValueError(f"input {index}: dtype {live.dtype}, static buffer has {static.dtype}")
+        return lives
 
     def _candidates(self, inputs) -> list[Hashable]:
         if self.key_fn is None:
             return [None]
-        keys = _call(self.key_fn, inputs, {})
+        key_args, key_kwargs = _arguments(inputs, {})
+        keys = self.key_fn(*key_args, **key_kwargs)
         return list(keys) if isinstance(keys, (list, tuple)) else [keys]
 
     # -- report --------------------------------------------------------------------------
@@ -277,11 +229,11 @@ class GraphRunner:
             {
                 "key": "" if key is None else key,
                 "size": size,
-                "graphs": graph.num_graphs,
-                "eager_breaks": graph.num_eager_breaks,
+                "graphs": graphed.graph.num_graphs,
+                "eager_breaks": graphed.graph.num_eager_breaks,
                 "capture_ms": round(self._capture_seconds[(key, size)] * 1000, 2),
             }
-            for (key, size), (graph, _out) in sorted(self._graphs.items(), key=lambda item: (str(item[0][0]), item[0][1]))
+            for (key, size), graphed in sorted(self._graphed.items(), key=lambda item: (str(item[0][0]), item[0][1]))
         ]
         total_bytes = pool_bytes(self.pool) if self.pool is not None else 0
         report = {"rows": rows, "pool_bytes": total_bytes, "eager_reason": self.eager_reason}

@@ -22,7 +22,7 @@ from typing import Callable, Protocol
 import torch
 
 from bindings import CaptureInfo, CaptureStatus
-from breakgraph.context import current_session
+from breakgraph import context
 
 
 class CaptureInfoProvider(Protocol):
@@ -174,10 +174,10 @@ _quiet = threading.local()  # set while a hooked wait_stream runs its event call
 
 
 def _tracker():
-    session = current_session()
-    if session is None or not session.segment_open or getattr(_quiet, "active", False):
+    capture = context.current()
+    if capture is None or not capture.segment_open or getattr(_quiet, "active", False):
         return None  # outside a capture, or inside an eager break: plain torch semantics
-    return session.tracker
+    return capture.tracker
 
 
 def _hooked_wait_stream(self, stream):

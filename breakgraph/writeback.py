@@ -10,10 +10,11 @@ written, so a mismatch leaves the captured buffers untouched.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable
 
 import torch
+
+from breakgraph import trees
 
 
 class WritebackError(RuntimeError):
@@ -23,13 +24,14 @@ class WritebackError(RuntimeError):
 Writer = Callable[[Any], int]
 
 
-def make_writer(function_name: str, captured: Any) -> Writer:
-    """Return ``write(result) -> bytes copied`` for a break whose capture-time result is ``captured``."""
+def make_writer(function_name: str, captured: Any, flat: trees.Flat | None = None) -> Writer:
+    """Return ``write(result) -> bytes copied`` for a break whose capture-time result is
+    ``captured`` (``flat``: it taken apart with the objects policy, if the caller has it)."""
     if captured is None:
         return _NoneWriter(function_name)
     if type(captured) is torch.Tensor:
         return _TensorWriter(function_name, captured)
-    return _TreeWriter(function_name, captured)
+    return _TreeWriter(function_name, captured, flat or trees.take_apart(captured, objects=True))
 
 
 def _same_storage(dst: torch.Tensor, src: torch.Tensor) -> bool:
@@ -89,94 +91,42 @@ class _TensorWriter:
 
 
 class _TreeWriter:
-    """Tuples, lists, dicts, dataclasses and objects, nested to any depth."""
+    """Tuples, lists, dicts, dataclasses and objects, nested to any depth.
 
-    __slots__ = ("function_name", "captured")
+    Tensors are copied into the captured tensors; other values replace the
+    captured ones where their container can take them (lists, dicts,
+    attributes; not tuples).
+    """
 
-    def __init__(self, function_name: str, captured: Any):
+    __slots__ = ("function_name", "captured", "flat")
+
+    def __init__(self, function_name: str, captured: Any, flat: trees.Flat):
         self.function_name = function_name
         self.captured = captured
+        self.flat = flat
 
     def __call__(self, result) -> int:
-        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        replacements: list[tuple[Callable[[Any], None], Any]] = []
-        self._match(self.captured, result, "out", copies, replacements)
+        flat = self.flat
+        leaves, spec = trees.flatten(result, objects=True)
+        if spec != flat.spec:
+            where, problem = trees.first_difference(self.captured, result, "out", objects=True)
+            _fail(self.function_name, where, problem)
+        copies, replacements = [], []
+        for index, (old, new) in enumerate(zip(flat.leaves, leaves)):
+            if isinstance(old, torch.Tensor):
+                problem = _tensor_mismatch(old, new)
+                if problem is not None:
+                    _fail(self.function_name, flat.path(index, "out"), problem)
+                if new is not old and not _same_storage(old, new):
+                    copies.append((old, new))
+            elif new is not old:
+                replacements.append((index, new))
         written = 0
         with torch.no_grad():
             for dst, src in copies:
                 dst.copy_(src)
                 written += dst.numel() * dst.element_size()
-        for assign, value in replacements:
-            assign(value)
+        for index, new in replacements:
+            if flat.assign(self.captured, index, new):
+                flat.leaves[index] = new
         return written
-
-    def _match(self, captured, result, path, copies, replacements) -> None:
-        """Collect the copies and field replacements that make ``captured`` hold ``result``."""
-        if isinstance(captured, torch.Tensor):
-            problem = _tensor_mismatch(captured, result)
-            if problem is not None:
-                _fail(self.function_name, path, problem)
-            if result is not captured and not _same_storage(captured, result):
-                copies.append((captured, result))
-            return
-        if type(result) is not type(captured):
-            _fail(
-                self.function_name,
-                path,
-                f"type {type(captured).__name__} at capture, {type(result).__name__} at replay",
-            )
-        if isinstance(captured, (list, tuple)):
-            if len(result) != len(captured):
-                _fail(self.function_name, path, f"length {len(captured)} at capture, {len(result)} at replay")
-            # A tuple cannot take new non-tensor values; a list can.
-            setter = captured.__setitem__ if isinstance(captured, list) else None
-            for index, (old, new) in enumerate(zip(captured, result)):
-                self._match_child(old, new, f"{path}[{index}]", setter, index, copies, replacements)
-        elif isinstance(captured, dict):
-            if result.keys() != captured.keys():
-                _fail(
-                    self.function_name,
-                    path,
-                    f"keys {sorted(map(repr, captured))} at capture, {sorted(map(repr, result))} at replay",
-                )
-            for key, old in captured.items():
-                self._match_child(old, result[key], f"{path}[{key!r}]", captured.__setitem__, key, copies, replacements)
-        elif _has_fields(captured):
-            old_fields, new_fields = _fields(captured), _fields(result)
-            if old_fields.keys() != new_fields.keys():
-                _fail(
-                    self.function_name,
-                    path,
-                    f"attributes {sorted(old_fields)} at capture, {sorted(new_fields)} at replay",
-                )
-            setter = _attribute_setter(captured)
-            for name, old in old_fields.items():
-                self._match_child(old, new_fields[name], f"{path}.{name}", setter, name, copies, replacements)
-        # Scalars, strings and None at the root: nothing to write into.
-
-    def _match_child(self, old, new, path, setter, key, copies, replacements) -> None:
-        if isinstance(old, torch.Tensor) or _is_structure(old):
-            self._match(old, new, path, copies, replacements)
-        elif setter is not None and (new is not old):
-            replacements.append((lambda value, key=key: setter(key, value), new))
-
-
-def _is_structure(value) -> bool:
-    return isinstance(value, (list, tuple, dict)) or _has_fields(value)
-
-
-def _has_fields(value) -> bool:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return True
-    return hasattr(value, "__dict__") and not isinstance(value, (type, torch.nn.Module)) and not callable(value)
-
-
-def _fields(value) -> dict[str, Any]:
-    if dataclasses.is_dataclass(value):
-        return {field.name: getattr(value, field.name) for field in dataclasses.fields(value)}
-    return dict(vars(value))
-
-
-def _attribute_setter(value):
-    """setattr that also works on frozen dataclasses (the capture-time object is ours to update)."""
-    return lambda name, new: object.__setattr__(value, name, new)

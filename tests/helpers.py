@@ -56,3 +56,15 @@ def check_against_eager(fn, static_inputs, trials: int = 3, atol=1e-5, rtol=1e-5
             torch.cuda.synchronize()
             assert_close(out, fn(*fresh), atol, rtol)
     return graph, out
+
+
+@bg.eager_on_graph
+def normalize(x):
+    return x / x.norm(dim=-1, keepdim=True)
+
+
+def normalized_model(x, w):
+    """Three graph segments around two ``normalize`` breaks."""
+    h = torch.relu(x @ w)
+    h = normalize(h)
+    return normalize(h @ w) + 1

@@ -7,7 +7,6 @@ import torch
 
 import breakgraph as bg
 from breakgraph.demo import TinyTransformer
-from breakgraph.pool import pool_bytes
 from tests.helpers import assert_close
 
 pytestmark = pytest.mark.gpu
@@ -72,11 +71,11 @@ def test_clone_returns_independent_outputs():
 def test_shared_pool_is_smaller_than_separate_pools():
     sizes = [1, 2, 4, 8, 16, 24]
     _model, shared = _runner(capture_sizes=sizes, progress=False)
-    shared_bytes = pool_bytes(shared.pool)
+    shared_bytes = bg.pool_bytes(shared.pool)
     separate = 0
     for size in sizes:
         _m, single = _runner(capture_sizes=[size], progress=False)
-        separate += pool_bytes(single.pool)
+        separate += bg.pool_bytes(single.pool)
     print(f"pool bytes: shared {shared_bytes}, separate pools summed {separate}")
     assert shared_bytes < separate
 
@@ -111,4 +110,4 @@ def test_debug_mode_runner_matches_eager():
     model, runner = _runner(capture_sizes=[2, 4], debug=True, progress=False)
     x = torch.randn(3, 8, 64, device=DEV)
     assert_close(runner(x), model(x), 1e-4, 1e-4)
-    assert all(g.num_eager_breaks == 1 and g.num_graphs == 0 for g, _ in runner._graphs.values())
+    assert all(g.num_eager_breaks == 1 and g.num_graphs == 0 for g in runner.graphs.values())

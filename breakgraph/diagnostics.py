@@ -1,0 +1,161 @@
+"""Seeing inside a captured graph: the segment table, DOT files, per-segment timing.
+
+Clients of :class:`~breakgraph.BreakableCUDAGraph`'s public surface
+(``segments``, ``device``, each segment's ``launcher()``): nothing here is
+needed to capture or replay.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import subprocess
+from pathlib import Path
+
+import torch
+
+import bindings
+from breakgraph.tables import format_table
+
+
+def summary_rows(graph) -> list[dict]:
+    return [
+        {
+            "index": segment.index,
+            "kind": segment.kind,
+            "name": segment.name,
+            "nodes": segment.num_nodes if segment.kind == "graph" else "",
+            "side_streams": ", ".join(f"{sid:#x}" for sid in segment.side_streams),
+            "bytes_written": segment.bytes_written if segment.kind == "eager" else "",
+        }
+        for segment in graph.segments
+    ]
+
+
+def summary(graph, print_table: bool = True) -> str:
+    """A table of ``graph``'s segments: kind, name, nodes, side streams, bytes written back."""
+    table = format_table(summary_rows(graph), ["index", "kind", "name", "nodes", "side_streams", "bytes_written"])
+    footer = (
+        f"{graph.num_graphs} graph segments, {graph.num_eager_breaks} eager breaks, "
+        f"{sum(segment.num_nodes for segment in graph.segments)} nodes, "
+        f"{graph.bytes_written_per_replay} bytes written back in the last replay"
+    )
+    text = f"{table}\n{footer}"
+    if print_table:
+        print(text)
+    return text
+
+
+# -- DOT export ----------------------------------------------------------------------
+
+
+def to_dot(graph, directory, render: bool = True) -> list[Path]:
+    """Write ``segment_<i>.dot`` per graph segment (CUDA's own DOT export) and
+    ``overview.dot`` for the chain of segments and breaks.
+
+    With ``render`` and Graphviz's ``dot`` on the PATH, each file is also
+    rendered to SVG. Returns the paths written.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    overview = ["digraph breakgraph {", "  rankdir=LR;"]
+    for segment in graph.segments:
+        if segment.kind == "graph":
+            path = directory / f"segment_{segment.index}.dot"
+            segment.graph.to_dot(path)
+            written.append(path)
+            label = f"graph {segment.index}\\n{segment.num_nodes} nodes"
+            overview.append(f'  s{segment.index} [shape=box, label="{label}"];')
+        else:
+            label = f"eager {segment.index}\\n{segment.name}()".replace('"', "'")
+            overview.append(f'  s{segment.index} [shape=ellipse, label="{label}"];')
+    overview += [f"  s{a.index} -> s{b.index};" for a, b in zip(graph.segments, graph.segments[1:])]
+    overview.append("}")
+    overview_path = directory / "overview.dot"
+    overview_path.write_text("\n".join(overview) + "\n")
+    written.append(overview_path)
+    if render:
+        dot = shutil.which("dot")
+        if dot is None:
+            print("breakgraph.to_dot: Graphviz 'dot' is not installed; wrote .dot files only (apt install graphviz to render)")
+        else:
+            for path in list(written):
+                svg = path.with_suffix(".svg")
+                subprocess.run([dot, "-Tsvg", str(path), "-o", str(svg)], check=True)
+                written.append(svg)
+    return written
+
+
+# -- profiling ----------------------------------------------------------------------
+
+
+def profile(graph, iters: int = 20, warmup: int = 3) -> list[dict]:
+    """Time every segment of ``graph`` with CUDA events around it, over ``iters`` replays.
+
+    Returns one row per segment with mean, p50 and p99 in microseconds and its
+    share of the total. Eager breaks are timed on the GPU too: their time
+    includes the GPU idling while the host runs the break.
+    """
+    if not graph.captured:
+        raise RuntimeError("profile needs a captured graph: capture it first")
+    segments = graph.segments
+    stream = torch.cuda.current_stream(graph.device)
+    handle = bindings.stream_handle(stream)
+    launchers = [segment.launcher() for segment in segments]
+    samples = [[] for _ in segments]
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(len(segments) + 1)]
+    with torch.no_grad():
+        for iteration in range(warmup + iters):
+            events[0].record(stream)
+            for index, launch in enumerate(launchers):
+                status = launch(handle)
+                if status is not None and status[0]:
+                    raise bindings.CudaError(status[0], "cudaGraphLaunch", segments[index].name)
+                events[index + 1].record(stream)
+            stream.synchronize()
+            if iteration >= warmup:
+                for index in range(len(segments)):
+                    samples[index].append(events[index].elapsed_time(events[index + 1]) * 1000.0)
+    total = sum(statistics.fmean(s) for s in samples) or 1.0
+    rows = []
+    for segment, times in zip(segments, samples):
+        ordered = sorted(times)
+        rows.append(
+            {
+                "index": segment.index,
+                "kind": segment.kind,
+                "name": segment.name,
+                "mean_us": round(statistics.fmean(times), 2),
+                "p50_us": round(ordered[len(ordered) // 2], 2),
+                "p99_us": round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 2),
+                "share": round(statistics.fmean(times) / total, 4),
+            }
+        )
+    return rows
+
+
+def format_profile(rows: list[dict]) -> str:
+    return format_table(rows, ["index", "kind", "name", "mean_us", "p50_us", "p99_us", "share"])
+
+
+def plot_profile(rows: list[dict], path) -> Path:
+    """Bar chart of mean time per segment (matplotlib, an optional dependency)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise RuntimeError("plot_profile needs matplotlib: pip install 'breakgraph[plot]'") from error
+    path = Path(path)
+    colors = ["tab:blue" if row["kind"] == "graph" else "tab:orange" for row in rows]
+    fig, ax = plt.subplots(figsize=(max(6, 0.35 * len(rows)), 4))
+    ax.bar([str(row["index"]) for row in rows], [row["mean_us"] for row in rows], color=colors)
+    ax.set_xlabel("segment (blue: graph, orange: eager break)")
+    ax.set_ylabel("mean GPU time per replay (µs)")
+    ax.set_title("breakgraph: time per segment")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,162 @@
+"""The captured product: a breakable graph's segments, its replay, its reset.
+
+Like ``torch.cuda.CUDAGraph``, a :class:`BreakableCUDAGraph` is captured
+between :meth:`~BreakableCUDAGraph.capture_begin` and
+:meth:`~BreakableCUDAGraph.capture_end` on the current stream (the
+:class:`~breakgraph.BreakableCUDAGraphCapture` context manager calls them),
+then replayed any number of times. What happens during capture is the
+recorder's business (:mod:`breakgraph.recorder`); what the graph holds
+afterwards is a tuple of segments and the replay plan built from them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import bindings
+from bindings import CaptureMode, CudaError
+from breakgraph import context, debug as debug_mode, recorder, runtime
+from breakgraph.dispatch import clearer_error
+from breakgraph.pool import new_pool
+from breakgraph.segments import Segment
+
+
+class BreakableCUDAGraph:
+    """A captured region: CUDA graph segments and the eager breaks between them.
+
+    ``pool`` is a ``torch.cuda.MemPool`` to share with another graph (pass
+    ``other.pool``); by default the graph makes its own on first capture. The
+    pool lives as long as the graph, across :meth:`reset`. ``debug`` (default:
+    ``BREAKGRAPH_DEBUG``) makes replay check argument addresses and
+    synchronize after every segment, naming the one that failed.
+    """
+
+    def __init__(self, pool=None, debug: bool | None = None):
+        self._pool = pool
+        self.debug = runtime.debug_requested(debug)
+        self.check_finite = False
+        self._segments: tuple[Segment, ...] = ()
+        self._plan: tuple | None = None
+        self._device = None
+        self._recorder: recorder.Recorder | None = None
+
+    # -- introspection ----------------------------------------------------------
+    @property
+    def pool(self):
+        """The ``torch.cuda.MemPool`` every segment allocates from."""
+        if self._pool is None:
+            self._pool = new_pool()
+        return self._pool
+
+    @property
+    def segments(self) -> tuple[Segment, ...]:
+        """Segments in replay order; each has ``kind`` ("graph" | "eager"), ``name``, ``num_nodes``."""
+        return self._segments
+
+    @property
+    def num_graphs(self) -> int:
+        return sum(1 for segment in self._segments if segment.kind == "graph")
+
+    @property
+    def num_eager_breaks(self) -> int:
+        return sum(1 for segment in self._segments if segment.kind == "eager")
+
+    @property
+    def bytes_written_per_replay(self) -> int:
+        """Bytes the eager breaks copied back into captured buffers during the last replay."""
+        return sum(segment.bytes_written for segment in self._segments)
+
+    @property
+    def captured(self) -> bool:
+        return self._plan is not None
+
+    @property
+    def device(self) -> torch.device | None:
+        """The device the graph was captured on (None before capture)."""
+        return self._device
+
+    # -- capture ------------------------------------------------------------------------
+    def capture_begin(self, capture_error_mode: str = "global", random_ops: str = "break") -> None:
+        """Begin capturing on the current stream, which must not be the default stream.
+
+        Prefer :class:`~breakgraph.BreakableCUDAGraphCapture`, which picks a
+        side stream and calls this and :meth:`capture_end` (or
+        :meth:`capture_abort`) for you. ``capture_error_mode`` and
+        ``random_ops`` are as there.
+        """
+        mode = CaptureMode.parse(capture_error_mode)
+        random_ops = recorder.parse_random_ops(random_ops)
+        runtime.require_capture("BreakableCUDAGraph.capture_begin")
+        if context.current() is not None:
+            raise RuntimeError(
+                "nested breakable CUDA graph captures are not supported: this thread is already capturing. "
+                "End the outer capture first, or mark the inner region @eager_on_graph."
+            )
+        if self.captured or self._recorder is not None:
+            raise RuntimeError("this BreakableCUDAGraph already holds a capture; call graph.reset() before capturing again")
+        stream = torch.cuda.current_stream()
+        if stream.cuda_stream == 0 or stream == torch.cuda.default_stream(stream.device):
+            raise ValueError(
+                "cannot capture on the default CUDA stream; make a torch.cuda.Stream() current, or use "
+                "BreakableCUDAGraphCapture, which captures on breakgraph's side stream"
+            )
+        self._recorder = recorder.start(self.pool, stream, mode, random_ops, record_addresses=self.debug)
+
+    def capture_end(self) -> None:
+        """End the capture begun by :meth:`capture_begin`; the graph can be replayed now."""
+        active, self._recorder = self._require_recorder(), None
+        try:
+            segments = active.finish()
+        except BaseException as error:
+            clearer = clearer_error(error)
+            if clearer is not None:
+                raise clearer from error
+            raise
+        self._load(tuple(segments), active.stream.device)
+
+    def capture_abort(self) -> None:
+        """End the capture begun by :meth:`capture_begin` after a failure: the CUDA capture
+        is ended, what it made is destroyed, hooks and pool routing are restored."""
+        active, self._recorder = self._require_recorder(), None
+        active.abort()
+
+    def _require_recorder(self) -> recorder.Recorder:
+        if self._recorder is None:
+            raise RuntimeError("this BreakableCUDAGraph is not capturing: call capture_begin() first")
+        return self._recorder
+
+    def _load(self, segments: tuple[Segment, ...], device: torch.device) -> None:
+        self._segments = segments
+        self._device = device
+        self._plan = tuple(segment.launcher() for segment in segments)
+
+    # -- replay -------------------------------------------------------------------------
+    def replay(self) -> None:
+        """Launch every segment and run every break, in capture order, on the current stream."""
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("this BreakableCUDAGraph holds no capture: capture it with BreakableCUDAGraphCapture first")
+        if self.debug:
+            plan = debug_mode.checked(self._segments, plan, self.check_finite)
+        stream = bindings.stream_handle(torch._C._cuda_getCurrentRawStream(self._device.index))
+        with torch.no_grad():
+            for launch in plan:
+                status = launch(stream)
+                if status is not None and status[0]:
+                    self._raise_launch_error(status[0], plan.index(launch))
+
+    def _raise_launch_error(self, error, index: int) -> None:
+        bindings.clear_last_error()
+        raise CudaError(error, "cudaGraphLaunch", debug_mode.describe(self._segments[index]))
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def reset(self) -> None:
+        """Destroy the segments and drop the breaks' buffers; the pool stays, so the
+        graph (and graphs sharing its pool) can be captured again."""
+        for segment in self._segments:
+            segment.release()
+        self._segments = ()
+        self._plan = None
+
+    def __repr__(self) -> str:
+        return f"BreakableCUDAGraph(num_graphs={self.num_graphs}, num_eager_breaks={self.num_eager_breaks})"

@@ -1,0 +1,119 @@
+"""What the process offers a capture: the GPU, the environment switches, capture
+streams, and a cycle collector held off while any capture runs.
+
+Everything here is process-wide (or per thread), so the context manager,
+``graphed`` and the runner share one copy of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import os
+import threading
+from typing import Callable, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in _TRUE
+
+
+def debug_requested(explicit: bool | None = None) -> bool:
+    """``explicit`` when given, else ``BREAKGRAPH_DEBUG=1``."""
+    return _env_flag("BREAKGRAPH_DEBUG") if explicit is None else bool(explicit)
+
+
+def capture_disabled() -> bool:
+    """``BREAKGRAPH_DISABLE=1``: callable forms run eagerly (an A/B switch)."""
+    return _env_flag("BREAKGRAPH_DISABLE")
+
+
+@functools.cache
+def cuda_available() -> bool:
+    """True when torch sees a GPU and cuda-python can talk to its driver."""
+    if not torch.cuda.is_available():
+        return False
+    from bindings import device_count
+
+    return device_count() > 0
+
+
+def eager_fallback_reason() -> str | None:
+    """Why the callable forms run eagerly here (no GPU, or ``BREAKGRAPH_DISABLE=1``), or None."""
+    if capture_disabled():
+        return "BREAKGRAPH_DISABLE=1 is set"
+    if not cuda_available():
+        return "no CUDA GPU is available"
+    return None
+
+
+def require_capture(what: str) -> None:
+    """Refuse a capture that cannot happen here, pointing to the callable form that can."""
+    if capture_disabled():
+        raise RuntimeError(
+            f"BREAKGRAPH_DISABLE=1 is set, and {what} cannot be re-run eagerly at replay. Use "
+            "breakgraph.graphed(fn, *args) (or GraphRunner), which falls back to calling fn eagerly."
+        )
+    if not cuda_available():
+        raise RuntimeError(
+            f"{what} needs a CUDA GPU, and none is available. Use breakgraph.graphed(fn, *args) "
+            "(or GraphRunner) instead: without a GPU it calls fn eagerly on every replay, so the "
+            "same code runs everywhere."
+        )
+
+
+_capture_streams = threading.local()
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """This thread's side stream for captures on ``device``, as ``torch.cuda.graph`` keeps one per process."""
+    cache = _capture_streams.__dict__.setdefault("by_device", {})
+    stream = cache.get(device.index)
+    if stream is None:
+        stream = cache[device.index] = torch.cuda.Stream(device)
+    return stream
+
+
+def run_on_stream(stream: torch.cuda.Stream, function: Callable[[], T]) -> T:
+    """``function()`` with ``stream`` current, ordered after the current stream's queued
+    work and before its later work (a side stream's fork and join)."""
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(stream):
+        result = function()
+    torch.cuda.current_stream(stream.device).wait_stream(stream)
+    return result
+
+
+_gc_lock = threading.Lock()
+_gc_holds = 0
+_gc_was_enabled = False
+
+
+@contextlib.contextmanager
+def cycle_collector_paused():
+    """Keep Python's cycle collector from running while any capture is active.
+
+    A collection mid-capture can destroy an unrelated ``MemPool`` whose
+    destructor frees device memory, which CUDA forbids while a stream is
+    capturing (the process aborts). Reference-counted across threads.
+    """
+    global _gc_holds, _gc_was_enabled
+    with _gc_lock:
+        if _gc_holds == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_holds += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_holds -= 1
+            if _gc_holds == 0 and _gc_was_enabled:
+                gc.enable()

@@ -1,0 +1,37 @@
+"""The context-manager form's argument checks and its refusal where it cannot capture (no GPU needed)."""
+
+import pytest
+import torch
+
+import breakgraph as bg
+from breakgraph.runtime import cuda_available
+
+no_gpu = pytest.mark.skipif(cuda_available(), reason="checks the no-GPU refusal")
+
+
+def test_bad_arguments_are_rejected_before_anything_starts():
+    with pytest.raises(ValueError, match="capture_error_mode"):
+        bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph(), capture_error_mode="strict")
+    with pytest.raises(TypeError, match="BreakableCUDAGraph"):
+        bg.BreakableCUDAGraphCapture(object())
+    with pytest.raises(ValueError, match="'break' or 'error'"):
+        bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph(), random_ops="ignore")
+    with pytest.raises(ValueError, match="'break' or 'error'"):
+        bg.GraphRunner(lambda x: x, torch.zeros(4, 2), random_ops="skip")
+
+
+@no_gpu
+def test_context_form_without_cuda_points_to_callable_form():
+    graph = bg.BreakableCUDAGraph()
+    with pytest.raises(RuntimeError, match="graphed"):
+        with bg.BreakableCUDAGraphCapture(graph):
+            pass
+    assert not bg.is_capturing() and not graph.captured
+
+
+def test_disable_env_refuses_context(monkeypatch):
+    monkeypatch.setenv("BREAKGRAPH_DISABLE", "1")
+    with pytest.raises(RuntimeError, match="BREAKGRAPH_DISABLE"):
+        with bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph()):
+            pass
+    assert not bg.is_capturing()

@@ -1,0 +1,55 @@
+"""GraphRunner without a GPU: argument checks and the eager fallback."""
+
+import warnings
+
+import pytest
+import torch
+
+import breakgraph as bg
+from breakgraph.runtime import cuda_available
+
+
+def test_keys_select_in_priority_order_without_capturing():
+    runner = bg.GraphRunner(
+        lambda x, key: x,
+        torch.zeros(8, 2),
+        capture_sizes={"uniform": [1, 2], "mixed": [4, 8]},
+        keys=["uniform", "mixed"],
+        key_fn=lambda x: ["uniform", "mixed"],
+        progress=False,
+    )
+    assert runner.select(2, ["uniform", "mixed"]) == ("uniform", 2)
+    assert runner.select(3, ["uniform", "mixed"]) == ("mixed", 4)
+    assert runner.select(9, ["uniform", "mixed"]) is None
+    assert runner.select(1, ["mixed"]) == ("mixed", 4)
+
+
+def test_runner_argument_errors():
+    with pytest.raises(ValueError, match="disagree"):
+        bg.GraphRunner(lambda a, b: a, (torch.zeros(4, 2), torch.zeros(5, 2)))
+    with pytest.raises(ValueError, match="together"):
+        bg.GraphRunner(lambda a: a, torch.zeros(4, 2), keys=["a"])
+    with pytest.raises(TypeError, match="batch dimension"):
+        bg.GraphRunner(lambda a: a, torch.tensor(3.0))
+
+
+@pytest.mark.skipif(cuda_available(), reason="checks the no-GPU fallback")
+def test_runner_runs_eagerly_without_a_gpu():
+    calls = []
+
+    def fn(x, y):
+        calls.append(x.shape[0])
+        return x * 2 + y
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runner = bg.GraphRunner(fn, (torch.zeros(16, 3), torch.zeros(16, 3))).capture()
+    assert any("eagerly" in str(w.message) for w in caught)
+    x, y = torch.randn(5, 3), torch.randn(5, 3)
+    torch.testing.assert_close(runner(x, y), x * 2 + y)
+    assert calls == [5]
+    with pytest.raises(ValueError, match="does not fit"):
+        runner(torch.randn(5, 4), torch.randn(5, 4))
+    with pytest.raises(ValueError, match="n = 0"):
+        runner(torch.randn(0, 3), torch.randn(0, 3))
+    assert runner.report(print_table=False)["eager_reason"]

@@ -1,0 +1,36 @@
+"""Process-wide switches and the import on a machine without a GPU."""
+
+import subprocess
+import sys
+
+import breakgraph as bg
+from breakgraph import runtime
+
+
+def test_debug_env_switch(monkeypatch):
+    monkeypatch.delenv("BREAKGRAPH_DEBUG", raising=False)
+    assert runtime.debug_requested() is False and runtime.debug_requested(True) is True
+    monkeypatch.setenv("BREAKGRAPH_DEBUG", "1")
+    assert runtime.debug_requested() is True and runtime.debug_requested(False) is False
+    assert bg.BreakableCUDAGraph().debug is True
+
+
+def test_eager_fallback_reason_names_the_switch(monkeypatch):
+    monkeypatch.setenv("BREAKGRAPH_DISABLE", "1")
+    assert runtime.eager_fallback_reason() == "BREAKGRAPH_DISABLE=1 is set"
+
+
+def test_cycle_collector_is_paused_and_restored_across_nested_holds():
+    import gc
+
+    assert gc.isenabled()
+    with runtime.cycle_collector_paused():
+        with runtime.cycle_collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+
+
+def test_import_without_gpu_in_a_fresh_process():
+    run = subprocess.run([sys.executable, "-c", "import breakgraph; print('ok')"], capture_output=True, text=True)
+    assert run.stdout.strip() == "ok", run.stderr
