@@ -1,0 +1,43 @@
+"""The layer contracts in pyproject.toml hold, and a broken one fails (import-linter)."""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LINT = shutil.which("lint-imports")
+pytestmark = pytest.mark.skipif(LINT is None, reason="import-linter is not installed (pip install -e '.[test]')")
+
+
+def lint(root: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(root))
+    return subprocess.run([LINT], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_the_contracts_are_kept():
+    run = lint(ROOT)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "0 broken" in run.stdout
+
+
+@pytest.mark.parametrize(
+    "path, line, broken",
+    [
+        ("bindings/graph.py", "import torch", "bindings talks to cuda-python only"),
+        ("breakgraph/segments.py", "import breakgraph.graph", "engine modules form layers"),
+        ("breakgraph/runtime.py", "import tests.helpers", "library code never imports benchmarks or tests"),
+        ("breakgraph/unlisted.py", "import breakgraph.trees", "engine modules form layers"),
+    ],
+)
+def test_a_deliberately_broken_contract_fails(tmp_path, path, line, broken):
+    for name in ("breakgraph", "bindings", "benchmarks", "tests"):
+        shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    with open(tmp_path / path, "a") as source:
+        source.write(f"\n{line}  # deliberately against the contract\n")
+    run = lint(tmp_path)
+    assert run.returncode != 0
+    assert f"{broken}" in run.stdout and "BROKEN" in run.stdout.split(broken, 1)[1].splitlines()[0]
