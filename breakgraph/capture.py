@@ -13,20 +13,21 @@ from breakgraph.graph import BreakableCUDAGraph
 class BreakableCUDAGraphCapture:
     """Context manager that captures its body into ``graph``.
 
-    Graphable work becomes CUDA graph segments; ``@eager_on_graph`` functions,
-    :func:`break_graph` and random ops end the current segment, run eagerly and
-    are recorded for replay. Like ``torch.cuda.graph`` it captures on a side
+    Graphable work becomes CUDA graph segments; ``@eager_on_graph`` functions
+    and :func:`break_graph` end the current segment, run eagerly and are
+    recorded for replay. Like ``torch.cuda.graph`` it captures on a side
     stream (``stream``, or one kept per thread) that first waits on the
     current stream's work; unlike it, it does not synchronize the device. The
     default stream is refused. ``capture_error_mode`` is CUDA's capture mode:
     "global", "thread_local" or "relaxed".
 
-    ``random_ops="break"`` (default) watches every op while a segment is
-    captured (a ``TorchDispatchMode``): random ops become eager breaks that
-    draw fresh numbers at each replay, and host-sync ops fail before they
-    reach CUDA. That costs a Python call per op at capture, not at replay.
-    ``random_ops="error"`` skips the watch, for faster captures of models
-    with no random ops: a random op then fails the capture with a clear error.
+    ``random_ops="graph"`` (default): random ops are captured into the
+    segments and draw fresh numbers at every replay, as under
+    ``torch.cuda.graph``; the device's default generator is armed, and so are
+    the CUDA ``torch.Generator``s in ``generators``. ``"break"``: every random
+    op becomes an eager break, through an op watch that costs a Python call
+    per op at capture (for torch versions whose generators cannot be armed).
+    ``"error"``: random ops fail the capture, and no generator is armed.
 
     Any exception inside the block ends the CUDA capture, discards what was
     captured, restores the stream, pool routing and hooks, and propagates.
@@ -37,7 +38,8 @@ class BreakableCUDAGraphCapture:
         graph: BreakableCUDAGraph,
         stream: torch.cuda.Stream | None = None,
         capture_error_mode: str = "global",
-        random_ops: str = "break",
+        random_ops: str = "graph",
+        generators=(),
     ):
         if not isinstance(graph, BreakableCUDAGraph):
             raise TypeError(f"expected a BreakableCUDAGraph, got {type(graph).__name__}")
@@ -45,6 +47,7 @@ class BreakableCUDAGraphCapture:
         self.stream = stream
         self.capture_error_mode = CaptureMode.parse(capture_error_mode)
         self.random_ops = recorder.parse_random_ops(random_ops)
+        self.generators = recorder.parse_generators(generators)
         self._stream_context = None
 
     def __enter__(self) -> BreakableCUDAGraph:
@@ -57,7 +60,7 @@ class BreakableCUDAGraphCapture:
         stream_context = torch.cuda.stream(stream)
         stream_context.__enter__()
         try:
-            self.graph.capture_begin(self.capture_error_mode, self.random_ops)
+            self.graph.capture_begin(self.capture_error_mode, self.random_ops, self.generators)
         except BaseException:
             stream_context.__exit__(None, None, None)
             raise
@@ -77,7 +80,7 @@ class BreakableCUDAGraphCapture:
         if exc_type is None:
             self._caller_stream.wait_stream(capture_stream)
             return False
-        clearer = clearer_error(exc)
+        clearer = clearer_error(exc, self.random_ops)
         if clearer is not None:
             raise clearer from exc
         return False

@@ -1,25 +1,29 @@
-"""What a capture does with single torch ops: random ops become breaks, syncs become errors.
+"""What a capture does with single torch ops that cannot be recorded as they are.
 
-torch's CUDA generator only advances its offset under torch's own graph
-capture, so a random op inside a raw cuda-python capture would either fail
-or, if forced through, replay the same numbers forever. Instead, while a
-segment is being captured, a ``TorchDispatchMode`` turns every op tagged
-``nondeterministic_seeded`` (dropout, ``randn``, ``uniform_``, …) into an
-eager break: it runs eagerly on every replay and draws fresh numbers, and its
-outputs are written back where the graph reads them.
+By default nothing watches the ops: random ops are captured into the segment
+(:mod:`breakgraph.rng`), and an op that CUDA or torch refuses during capture
+(``.item()``, ``nonzero``, ``print(tensor)``, ``torch.cuda.synchronize()``)
+fails with the refusal turned into an :class:`UncapturableOpError` that
+points at the user's line and says how to fix it (:func:`clearer_error`).
 
-The same mode rejects ops that synchronize with the host (``.item()``,
-``nonzero``, …) before they reach CUDA, with an error that says how to fix it.
-The mode is only active during capture; replay never sees it.
+``random_ops="break"`` opts into the op watch: a ``TorchDispatchMode``, active
+only while a segment records, that turns every op tagged
+``nondeterministic_seeded`` into an eager break and names host-sync ops
+before they reach CUDA. It costs a Python call per op at capture; it serves
+torch versions whose generators cannot be armed for raw captures, and
+random ops on generators no capture can arm.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import traceback
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import bindings
 from breakgraph.context import ActiveCapture
 
 _aten = torch.ops.aten
@@ -48,6 +52,11 @@ REMEDY = (
     "runs eagerly between graph segments, at capture and at every replay."
 )
 
+# Frames in these folders are not the user's line: torch, the bindings, the engine.
+_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(module.__file__)) + os.sep for module in (torch, bindings)) + (
+    os.path.dirname(os.path.abspath(__file__)) + os.sep,
+)
+
 
 class UncapturableOpError(RuntimeError):
     """An op inside a graph segment cannot be captured into a CUDA graph."""
@@ -59,21 +68,52 @@ def is_capture_violation(error: BaseException) -> bool:
 
 
 def is_random_op_refusal(error: BaseException) -> bool:
-    """Whether ``error`` is torch's CUDA generator refusing a random op in a raw capture."""
+    """Whether ``error`` is torch's CUDA generator refusing a random op it was not armed for."""
     return isinstance(error, RuntimeError) and "CUDA generator not in capture mode" in str(error)
 
 
-def random_op_uncapturable(cause: BaseException) -> UncapturableOpError:
-    return UncapturableOpError(
-        f"a random op in this graph segment cannot be captured with random_ops='error' ({cause}). "
-        "Capture with random_ops='break' (the default), which makes every random op an eager break "
-        "that draws fresh numbers at each replay, or move it into an @breakgraph.eager_on_graph function."
-    )
+def _where(error: BaseException) -> str:
+    """The user's line that issued the refused op: the innermost frame outside torch and breakgraph."""
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        if not frame.filename.startswith(_LIBRARY_DIRS) and "<frozen" not in frame.filename:
+            code = f"`{frame.line.strip()}` " if frame.line else ""
+            return f"{code}({os.path.basename(frame.filename)}:{frame.lineno})"
+    return "an operation in this graph segment"
 
 
 def uncapturable(what: str, cause: BaseException | None = None) -> UncapturableOpError:
     detail = f" ({cause})" if cause is not None else ""
     return UncapturableOpError(f"{what} cannot be captured in a CUDA graph segment{detail}. {REMEDY}")
+
+
+def clearer_error(error: BaseException, random_ops: str) -> UncapturableOpError | None:
+    """CUDA's or torch's bare refusal of an op during capture, as an error that names the
+    user's line and the remedy; None when ``error`` is something else (or already says it)."""
+    if isinstance(error, UncapturableOpError):
+        return None
+    if is_random_op_refusal(error):
+        if random_ops == "error":
+            fix = (
+                "Capture with random_ops='graph' (the default), which captures random ops into the "
+                "segment with fresh numbers at each replay"
+            )
+        else:
+            fix = (
+                "It draws from a generator this capture did not arm (only the device's default "
+                "generator is armed unless you pass generators=[...]): pass the generator in "
+                "generators= to the capture, graphed or GraphRunner"
+            )
+        return UncapturableOpError(
+            f"the random op at {_where(error)} cannot be captured with random_ops={random_ops!r} "
+            f"({error}). {fix}, or move it into an @breakgraph.eager_on_graph function."
+        )
+    if is_capture_violation(error):
+        return uncapturable(
+            f"{_where(error)} synchronizes with the host or calls a CUDA function that stream capture "
+            "forbids; it",
+            error,
+        )
+    return None
 
 
 def _touches_cuda(args, kwargs) -> bool:
@@ -104,11 +144,16 @@ def _kind(func) -> int:
 
 
 class CaptureDispatchMode(TorchDispatchMode):
-    """Active for the whole capture; acts only while a graph segment is open."""
+    """The opt-in op watch, active for the whole capture; it acts only while a segment records.
 
-    def __init__(self, capture: ActiveCapture):
+    Random ops become eager breaks, or, with ``refuse_random`` set to the
+    reason, fail with it (a capture whose generator another capture holds).
+    """
+
+    def __init__(self, capture: ActiveCapture, refuse_random: str | None = None):
         super().__init__()
         self.capture = capture
+        self.refuse_random = refuse_random
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -117,6 +162,11 @@ class CaptureDispatchMode(TorchDispatchMode):
             return func(*args, **kwargs)
         kind = _kind(func)
         if kind == _Kind.RANDOM:
+            if self.refuse_random is not None:
+                raise UncapturableOpError(
+                    f"{func} draws random numbers, but {self.refuse_random}. Capture random ops in one "
+                    "capture at a time, or move this one into an @breakgraph.eager_on_graph function."
+                )
             return capture.run_break(func, args, kwargs, name=f"random {func}")
         if kind == _Kind.HOST_SYNC and _touches_cuda(args, kwargs):
             raise uncapturable(f"{func} (it synchronizes the GPU with the host)")
@@ -126,15 +176,3 @@ class CaptureDispatchMode(TorchDispatchMode):
             if is_capture_violation(error):
                 raise uncapturable(str(func), error) from error
             raise
-
-
-def clearer_error(error: BaseException) -> UncapturableOpError | None:
-    """CUDA's or torch's bare refusal of an op during capture, as an error that names the
-    remedy; None when ``error`` is something else (or already says it)."""
-    if isinstance(error, UncapturableOpError):
-        return None
-    if is_random_op_refusal(error):
-        return random_op_uncapturable(error)
-    if is_capture_violation(error):
-        return uncapturable("an operation in this graph segment", error)
-    return None

@@ -36,6 +36,7 @@ class BreakableCUDAGraph:
         self.debug = runtime.debug_requested(debug)
         self.check_finite = False
         self._segments: tuple[Segment, ...] = ()
+        self._refill_generators = None
         self._plan: tuple | None = None
         self._device = None
         self._recorder: recorder.Recorder | None = None
@@ -75,17 +76,24 @@ class BreakableCUDAGraph:
         """The device the graph was captured on (None before capture)."""
         return self._device
 
+    @property
+    def draws_random_numbers(self) -> bool:
+        """Whether segments captured random ops: each replay then first refills and
+        advances the armed generators, as ``torch.cuda.CUDAGraph.replay`` does."""
+        return self._refill_generators is not None
+
     # -- capture ------------------------------------------------------------------------
-    def capture_begin(self, capture_error_mode: str = "global", random_ops: str = "break") -> None:
+    def capture_begin(self, capture_error_mode: str = "global", random_ops: str = "graph", generators=()) -> None:
         """Begin capturing on the current stream, which must not be the default stream.
 
         Prefer :class:`~breakgraph.BreakableCUDAGraphCapture`, which picks a
         side stream and calls this and :meth:`capture_end` (or
-        :meth:`capture_abort`) for you. ``capture_error_mode`` and
-        ``random_ops`` are as there.
+        :meth:`capture_abort`) for you. ``capture_error_mode``,
+        ``random_ops`` and ``generators`` are as there.
         """
         mode = CaptureMode.parse(capture_error_mode)
         random_ops = recorder.parse_random_ops(random_ops)
+        generators = recorder.parse_generators(generators)
         runtime.require_capture("BreakableCUDAGraph.capture_begin")
         if context.current() is not None:
             raise RuntimeError(
@@ -100,19 +108,23 @@ class BreakableCUDAGraph:
                 "cannot capture on the default CUDA stream; make a torch.cuda.Stream() current, or use "
                 "BreakableCUDAGraphCapture, which captures on breakgraph's side stream"
             )
-        self._recorder = recorder.start(self.pool, stream, mode, random_ops, record_addresses=self.debug)
+        self._recorder = recorder.start(self.pool, stream, mode, random_ops, generators, record_addresses=self.debug)
 
     def capture_end(self) -> None:
         """End the capture begun by :meth:`capture_begin`; the graph can be replayed now."""
         active, self._recorder = self._require_recorder(), None
         try:
-            segments = active.finish()
+            recording = active.finish()
         except BaseException as error:
-            clearer = clearer_error(error)
+            clearer = clearer_error(error, active.random_ops)
             if clearer is not None:
                 raise clearer from error
             raise
-        self._load(tuple(segments), active.stream.device)
+        self._segments = recording.segments
+        self._device = recording.device
+        self._refill_generators = recording.refill_generators
+        refill = () if recording.refill_generators is None else (recording.refill_generators,)
+        self._plan = refill + tuple(segment.launcher() for segment in recording.segments)
 
     def capture_abort(self) -> None:
         """End the capture begun by :meth:`capture_begin` after a failure: the CUDA capture
@@ -125,11 +137,6 @@ class BreakableCUDAGraph:
             raise RuntimeError("this BreakableCUDAGraph is not capturing: call capture_begin() first")
         return self._recorder
 
-    def _load(self, segments: tuple[Segment, ...], device: torch.device) -> None:
-        self._segments = segments
-        self._device = device
-        self._plan = tuple(segment.launcher() for segment in segments)
-
     # -- replay -------------------------------------------------------------------------
     def replay(self) -> None:
         """Launch every segment and run every break, in capture order, on the current stream."""
@@ -137,13 +144,14 @@ class BreakableCUDAGraph:
         if plan is None:
             raise RuntimeError("this BreakableCUDAGraph holds no capture: capture it with BreakableCUDAGraphCapture first")
         if self.debug:
-            plan = debug_mode.checked(self._segments, plan, self.check_finite)
+            refill = plan[: len(plan) - len(self._segments)]
+            plan = refill + tuple(debug_mode.checked(self._segments, plan[len(refill) :], self.check_finite))
         stream = bindings.stream_handle(torch._C._cuda_getCurrentRawStream(self._device.index))
         with torch.no_grad():
             for launch in plan:
                 status = launch(stream)
                 if status is not None and status[0]:
-                    self._raise_launch_error(status[0], plan.index(launch))
+                    self._raise_launch_error(status[0], plan.index(launch) - (len(plan) - len(self._segments)))
 
     def _raise_launch_error(self, error, index: int) -> None:
         bindings.clear_last_error()
@@ -156,7 +164,14 @@ class BreakableCUDAGraph:
         for segment in self._segments:
             segment.release()
         self._segments = ()
+        self._refill_generators = None
         self._plan = None
+
+    def __del__(self) -> None:
+        # The pool may be this graph's alone: never let it die inside another thread's capture.
+        pool = getattr(self, "_pool", None)
+        if pool is not None and runtime is not None:  # runtime is None at interpreter exit
+            runtime.release_after_captures(pool)
 
     def __repr__(self) -> str:
         return f"BreakableCUDAGraph(num_graphs={self.num_graphs}, num_eager_breaks={self.num_eager_breaks})"

@@ -15,7 +15,7 @@ from breakgraph import runtime, trees
 from breakgraph.capture import BreakableCUDAGraphCapture
 from breakgraph.eager import eager_on_graph
 from breakgraph.graph import BreakableCUDAGraph
-from breakgraph.recorder import parse_random_ops
+from breakgraph.recorder import parse_generators, parse_random_ops
 
 
 class GraphedCallable:
@@ -36,7 +36,8 @@ class GraphedCallable:
         debug: bool | None = None,
         pool=None,
         warmup: int = 1,
-        random_ops: str = "break",
+        random_ops: str = "graph",
+        generators=(),
         warn: bool = True,
     ):
         if not callable(fn):
@@ -46,6 +47,7 @@ class GraphedCallable:
         self.fn, self.args, self.kwargs = fn, args, kwargs
         self.debug = runtime.debug_requested(debug)
         self.random_ops = parse_random_ops(random_ops)
+        self.generators = parse_generators(generators)
         self.output: Any = None
         self.graph: BreakableCUDAGraph | None = None
         reason = runtime.eager_fallback_reason()
@@ -63,7 +65,7 @@ class GraphedCallable:
             runtime.run_on_stream(stream, lambda: fn(*args, **kwargs))
         # Debug mode: the whole function is one eager break, replayed through the same path.
         target = eager_on_graph(fn) if self.debug else fn
-        with BreakableCUDAGraphCapture(self.graph, stream=stream, random_ops=self.random_ops):
+        with BreakableCUDAGraphCapture(self.graph, stream=stream, random_ops=self.random_ops, generators=self.generators):
             self.output = target(*args, **kwargs)
 
     @property
@@ -99,7 +101,8 @@ def graphed(
     debug: bool | None = None,
     pool=None,
     warmup: int = 1,
-    random_ops: str = "break",
+    random_ops: str = "graph",
+    generators=(),
     **static_kwargs,
 ) -> GraphedCallable:
     """Capture ``fn(*static_args, **static_kwargs)`` as a breakable graph.
@@ -108,8 +111,17 @@ def graphed(
     library initialisation must not happen inside a capture; pass 0 if it has
     side effects that must not repeat). ``debug`` (default ``BREAKGRAPH_DEBUG``)
     makes the whole function one eager break replayed through the same code
-    path, with debug checks. ``random_ops`` is as for
+    path, with debug checks. ``random_ops`` and ``generators`` are as for
     :class:`BreakableCUDAGraphCapture`. Without a GPU, or with
     ``BREAKGRAPH_DISABLE=1``, replay calls ``fn`` eagerly (one warning).
     """
-    return GraphedCallable(fn, static_args, static_kwargs, debug=debug, pool=pool, warmup=warmup, random_ops=random_ops)
+    return GraphedCallable(
+        fn,
+        static_args,
+        static_kwargs,
+        debug=debug,
+        pool=pool,
+        warmup=warmup,
+        random_ops=random_ops,
+        generators=generators,
+    )

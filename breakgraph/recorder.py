@@ -12,36 +12,74 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 import weakref
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 import bindings
 from bindings import CaptureMode, CudaError
-from breakgraph import context, runtime, streams, trees
+from breakgraph import context, rng, runtime, streams, trees
 from breakgraph.aliasing import alias_leaves, alias_result
 from breakgraph.dispatch import CaptureDispatchMode
-from breakgraph.segments import EagerSegment, GraphSegment, Segment
+from breakgraph.segments import EagerSegment, GraphSegment, Launcher, Segment
 from breakgraph.writeback import make_writer
 
-RANDOM_OPS = ("break", "error")
+RANDOM_OPS = ("graph", "break", "error")
 
 
 def parse_random_ops(random_ops: str) -> str:
-    """Check ``random_ops``: "break" (random ops become eager breaks) or "error"."""
+    """Check ``random_ops``: "graph" (captured into segments), "break" (each random op an
+    eager break, through the op watch) or "error" (refused)."""
     if random_ops not in RANDOM_OPS:
-        raise ValueError(f"random_ops must be 'break' or 'error', got {random_ops!r}")
+        raise ValueError(f"random_ops must be 'graph', 'break' or 'error', got {random_ops!r}")
     return random_ops
+
+
+def parse_generators(generators) -> tuple[torch.Generator, ...]:
+    """Check ``generators``: CUDA ``torch.Generator``s a capture arms beside the default one."""
+    generators = tuple(generators or ())
+    for gen in generators:
+        if not isinstance(gen, torch.Generator) or gen.device.type != "cuda":
+            raise TypeError(f"generators must be CUDA torch.Generator objects, got {gen!r}")
+    return generators
+
+
+_warned_uncooperative = False
+
+
+def _warn_uncooperative() -> None:
+    global _warned_uncooperative
+    if not _warned_uncooperative:
+        _warned_uncooperative = True
+        warnings.warn(
+            f"breakgraph: torch {torch.__version__}'s CUDA generators cannot be armed for captures made "
+            "through cuda.bindings; random ops become eager breaks (random_ops='break')",
+            stacklevel=4,
+        )
+
+
+@dataclass(frozen=True)
+class Recording:
+    """What a finished capture hands its graph: the segments, the device, and the step that
+    refills the armed generators before each replay (None when no segment drew random numbers)."""
+
+    segments: tuple[Segment, ...]
+    device: torch.device
+    refill_generators: Launcher | None
 
 
 class Recorder:
     """The state of one active capture (one thread, one capture stream)."""
 
-    def __init__(self, stream: torch.cuda.Stream, mode: CaptureMode, record_addresses: bool):
+    def __init__(self, stream: torch.cuda.Stream, mode: CaptureMode, random_ops: str, record_addresses: bool):
         self.stream = stream
         self.mode = mode
+        self.random_ops = random_ops
         self.record_addresses = record_addresses
+        self.random: rng.ArmedGenerators | None = None
         self.segments: list[Segment] = []
         self.segment_open = False
         self.tracker = streams.ForkJoinTracker(
@@ -57,12 +95,16 @@ class Recorder:
     def begin_segment(self) -> None:
         bindings.begin_capture(self.stream, self.mode)
         self.segment_open = True
+        if self.random is not None:
+            self.random.point_at_armed_states()
         self.tracker.segment_begun()
 
     def end_segment(self, following: str) -> None:
         """End the open segment; keep it unless it captured nothing."""
         side_streams = self.tracker.segment_ending()
         self.segment_open = False
+        if self.random is not None:
+            self.random.point_at_plain_states()
         graph = bindings.end_capture(self.stream)
         num_nodes = graph.num_nodes
         if num_nodes == 0:
@@ -106,16 +148,19 @@ class Recorder:
         )
 
     # -- the whole capture -----------------------------------------------------------------
-    def finish(self) -> list[Segment]:
-        """End the last segment and close the capture's scope; the segments are the caller's now."""
+    def finish(self) -> Recording:
+        """End the last segment and close the capture's scope; the recording is the caller's now."""
         try:
+            drawn = self.random is not None and self.random.drawn()  # asked while the last segment records
             self.end_segment(following="end")
+            random, self.random = self.random, None
+            refill = random.disarm(keep=drawn) if random is not None else None
         except BaseException:
             self.abort()
             raise
         self._scope.close()
         segments, self.segments = self.segments, []
-        return segments
+        return Recording(tuple(segments), self.stream.device, refill)
 
     def abort(self) -> None:
         """End a half-done capture, destroy what it made and close its scope; never raises
@@ -129,30 +174,50 @@ class Recorder:
         for segment in self.segments:
             segment.release()
         self.segments = []
+        if self.random is not None:
+            random, self.random = self.random, None
+            with contextlib.suppress(Exception):
+                random.disarm(keep=False)
         bindings.clear_last_error()
         self._scope.close()
 
 
 def start(
-    pool, stream: torch.cuda.Stream, mode: CaptureMode, random_ops: str, record_addresses: bool
+    pool,
+    stream: torch.cuda.Stream,
+    mode: CaptureMode,
+    random_ops: str,
+    generators: tuple[torch.Generator, ...],
+    record_addresses: bool,
 ) -> Recorder:
-    """Open a capture on ``stream`` (already the current stream) into ``pool``: route
-    allocations to the pool, pause the cycle collector, hook ``wait_stream``, make the
-    recorder this thread's active capture, and begin the first segment."""
-    recorder = Recorder(stream, mode, record_addresses)
+    """Open a capture on ``stream`` (already the current stream) into ``pool``: arm the
+    generators, route allocations to the pool, pause the cycle collector, hook
+    ``wait_stream``, make the recorder this thread's active capture, and begin the
+    first segment."""
+    recorder = Recorder(stream, mode, random_ops, record_addresses)
     scope = recorder._scope
+    watch, refuse_random = random_ops == "break", None
     try:
         # Outermost, so it is released last: a MemPool that a collection frees while
         # allocations are still routed to a pool aborts the process.
         scope.enter_context(runtime.cycle_collector_paused())
+        if random_ops == "graph":
+            if not rng.cooperative():
+                _warn_uncooperative()
+                watch = True
+            else:
+                try:  # before pool routing: torch keeps the generators' device state outside our pool
+                    recorder.random = rng.ArmedGenerators(stream.device, generators)
+                except rng.GeneratorBusy as busy:
+                    watch, refuse_random = True, str(busy)
         scope.enter_context(torch.cuda.use_mem_pool(pool, stream.device))
         # Backward passes run on this thread, so their breaks and allocations are ours.
         scope.enter_context(torch.autograd.set_multithreading_enabled(False))
         streams.install_hooks()
         scope.callback(streams.remove_hooks)
         scope.callback(context.deactivate, context.activate(recorder))
-        if random_ops == "break":
-            scope.enter_context(CaptureDispatchMode(recorder))
+        if watch:
+            scope.enter_context(CaptureDispatchMode(recorder, refuse_random))
         recorder.begin_segment()
     except BaseException:
         recorder.abort()

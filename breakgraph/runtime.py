@@ -69,16 +69,21 @@ def require_capture(what: str) -> None:
         )
 
 
-_capture_streams = threading.local()
+_side_streams = threading.local()
+
+
+def side_stream(device: torch.device, purpose: str) -> torch.cuda.Stream:
+    """This thread's side stream on ``device`` for ``purpose``, made once and kept."""
+    cache = _side_streams.__dict__.setdefault("by_purpose", {})
+    stream = cache.get((device.index, purpose))
+    if stream is None:
+        stream = cache[(device.index, purpose)] = torch.cuda.Stream(device)
+    return stream
 
 
 def capture_stream(device: torch.device) -> torch.cuda.Stream:
     """This thread's side stream for captures on ``device``, as ``torch.cuda.graph`` keeps one per process."""
-    cache = _capture_streams.__dict__.setdefault("by_device", {})
-    stream = cache.get(device.index)
-    if stream is None:
-        stream = cache[device.index] = torch.cuda.Stream(device)
-    return stream
+    return side_stream(device, "capture")
 
 
 def run_on_stream(stream: torch.cuda.Stream, function: Callable[[], T]) -> T:
@@ -94,6 +99,7 @@ def run_on_stream(stream: torch.cuda.Stream, function: Callable[[], T]) -> T:
 _gc_lock = threading.Lock()
 _gc_holds = 0
 _gc_was_enabled = False
+_parked: list = []
 
 
 @contextlib.contextmanager
@@ -102,7 +108,8 @@ def cycle_collector_paused():
 
     A collection mid-capture can destroy an unrelated ``MemPool`` whose
     destructor frees device memory, which CUDA forbids while a stream is
-    capturing (the process aborts). Reference-counted across threads.
+    capturing (the process aborts). Reference-counted across threads; what
+    :func:`release_after_captures` parked is let go when the last hold ends.
     """
     global _gc_holds, _gc_was_enabled
     with _gc_lock:
@@ -115,5 +122,17 @@ def cycle_collector_paused():
     finally:
         with _gc_lock:
             _gc_holds -= 1
-            if _gc_holds == 0 and _gc_was_enabled:
-                gc.enable()
+            released = []
+            if _gc_holds == 0:
+                released, _parked[:] = list(_parked), []
+                if _gc_was_enabled:
+                    gc.enable()
+        del released  # outside the lock: destructors may run here
+
+
+def release_after_captures(owned) -> None:
+    """Let go of ``owned`` (a memory pool) now, or, while any capture is active on any
+    thread, when the last one ends: a pool destroyed during a capture aborts the process."""
+    with _gc_lock:
+        if _gc_holds:
+            _parked.append(owned)

@@ -85,6 +85,9 @@ class ForkJoinTracker:
 
     def segment_ending(self) -> tuple[int, ...]:
         """Join every side stream with unjoined work; return the ids that took part."""
+        if not self._streams:  # the common case: the segment used the capture stream alone
+            self.segment_streams.append(())
+            return ()
         took_part = tuple(self._streams)
         for sid, stream in list(self._streams.items()):
             info = self._capture_info(stream)

@@ -31,7 +31,10 @@ def make_writer(function_name: str, captured: Any, flat: trees.Flat | None = Non
         return _NoneWriter(function_name)
     if type(captured) is torch.Tensor:
         return _TensorWriter(function_name, captured)
-    return _TreeWriter(function_name, captured, flat or trees.take_apart(captured, objects=True))
+    flat = flat or trees.take_apart(captured, objects=True)
+    if flat.spec.is_leaf() and not isinstance(captured, torch.Tensor):
+        return _ValueWriter(function_name, captured)
+    return _TreeWriter(function_name, captured, flat)
 
 
 def _same_storage(dst: torch.Tensor, src: torch.Tensor) -> bool:
@@ -88,6 +91,21 @@ class _TensorWriter:
             return 0
         captured.copy_(result)  # replay runs under no_grad: no autograd bookkeeping here
         return self.nbytes
+
+
+class _ValueWriter:
+    """A number, string or other value returned whole: nothing holds it to write into."""
+
+    __slots__ = ("function_name", "kind")
+
+    def __init__(self, function_name: str, captured: Any):
+        self.function_name = function_name
+        self.kind = type(captured)
+
+    def __call__(self, result) -> int:
+        if type(result) is not self.kind:
+            _fail(self.function_name, "out", f"type {self.kind.__name__} at capture, {type(result).__name__} at replay")
+        return 0
 
 
 class _TreeWriter:

@@ -18,6 +18,12 @@ def test_bad_arguments_are_rejected_before_anything_starts():
         bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph(), random_ops="ignore")
     with pytest.raises(ValueError, match="'break' or 'error'"):
         bg.GraphRunner(lambda x: x, torch.zeros(4, 2), random_ops="skip")
+    with pytest.raises(TypeError, match="CUDA torch.Generator"):
+        bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph(), generators=[torch.Generator()])
+    with pytest.raises(TypeError, match="CUDA torch.Generator"):
+        bg.GraphRunner(lambda x: x, torch.zeros(4, 2), generators=[7])
+    with pytest.raises(ValueError, match="warmup"):
+        bg.GraphRunner(lambda x: x, torch.zeros(4, 2), warmup="sometimes")
 
 
 @no_gpu

@@ -31,6 +31,26 @@ def test_cycle_collector_is_paused_and_restored_across_nested_holds():
     assert gc.isenabled()
 
 
+def test_objects_released_during_a_capture_die_when_the_last_capture_ends():
+    import weakref
+
+    class Pool:
+        pass
+
+    with runtime.cycle_collector_paused():
+        pool = Pool()
+        alive = weakref.ref(pool)
+        runtime.release_after_captures(pool)
+        del pool
+        assert alive() is not None  # parked: a capture is active
+    assert alive() is None
+    free = Pool()
+    alive = weakref.ref(free)
+    runtime.release_after_captures(free)
+    del free
+    assert alive() is None  # no capture active: nothing held
+
+
 def test_import_without_gpu_in_a_fresh_process():
     run = subprocess.run([sys.executable, "-c", "import breakgraph; print('ok')"], capture_output=True, text=True)
     assert run.stdout.strip() == "ok", run.stderr

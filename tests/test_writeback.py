@@ -147,12 +147,20 @@ def test_error_message_format_from_the_spec():
         ((torch.zeros(1),), [torch.zeros(1)], "out: type tuple at capture, list at replay"),
         (None, torch.zeros(1), "None at capture"),
         (torch.zeros(1), None, "type Tensor at capture, NoneType at replay"),
+        (3, "three", "out: type int at capture, str at replay"),
     ],
 )
 def test_each_kind_of_mismatch(captured, replayed, words):
     with pytest.raises(WritebackError, match="fn\\(\\) -> ") as info:
         make_writer("fn", captured)(replayed)
     assert words in str(info.value)
+
+
+def test_values_returned_whole_are_checked_and_not_written():
+    writer = make_writer("fn", 3)
+    assert writer(4) == 0
+    with pytest.raises(WritebackError, match="type int at capture, float at replay"):
+        writer(4.0)
 
 
 def test_aliasing_result_is_not_copied():

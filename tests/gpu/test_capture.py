@@ -450,7 +450,7 @@ def test_concurrent_captures_in_two_threads():
         try:
             stream = torch.cuda.Stream()
             graph = bg.BreakableCUDAGraph()
-            x = torch.randn(128, 128, device=DEV)
+            x = inputs[tag].clone()  # not drawn here: the other thread's capture may hold the generator
             with torch.cuda.stream(stream):
                 x = x + 0
                 x @ x  # cuBLAS handles are per thread: create this thread's outside the capture
@@ -463,8 +463,7 @@ def test_concurrent_captures_in_two_threads():
                 barrier.wait()
             assert graph.num_eager_breaks == 2
             checks = []
-            for _ in range(2):
-                fresh = torch.randn_like(x)
+            for fresh in refills[tag]:
                 x.copy_(fresh)
                 poison_(out)
                 with torch.cuda.stream(stream):
@@ -477,6 +476,8 @@ def test_concurrent_captures_in_two_threads():
             errors.append(error)
             barrier.abort()
 
+    inputs = [torch.randn(128, 128, device=DEV) for _ in range(2)]
+    refills = [[torch.randn(128, 128, device=DEV) for _ in range(2)] for _ in range(2)]
     threads = [threading.Thread(target=work, args=(i, 1.5 + i)) for i in range(2)]
     for t in threads:
         t.start()

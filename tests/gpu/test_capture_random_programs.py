@@ -1,4 +1,4 @@
-"""Random programs of ops, breaks and side-stream work, captured and compared with eager."""
+"""Random programs of ops, random ops, breaks and side-stream work, captured and compared with eager."""
 
 import pytest
 import torch
@@ -49,6 +49,8 @@ OPS = {
     "inplace_break": lambda x, w, buf: eager_inplace(x, buf) * 2,
     "split": lambda x, w, buf: (bg.break_graph(), x)[1],
     "side_stream": lambda x, w, buf: _side(x, w),
+    "dropout": lambda x, w, buf: torch.nn.functional.dropout(x, 0.3, training=True),
+    "noise": lambda x, w, buf: x + torch.randn_like(x) * 0.1,
 }
 
 
@@ -75,6 +77,9 @@ def test_random_program_matches_eager(program):
         fresh = torch.randn_like(x)
         x.copy_(fresh)
         poison_(out)
+        rng_state = torch.cuda.get_rng_state()
         graph.replay()
+        torch.cuda.set_rng_state(rng_state)  # eager draws what the replay drew: the same offsets
         torch.cuda.synchronize()
         assert_close(out, run(fresh), 1e-4, 1e-4)
+    assert graph.draws_random_numbers == any(name in ("dropout", "noise") for name in program)
