@@ -9,24 +9,17 @@ from typing import Callable, Hashable, Sequence
 
 import torch
 
-from breakgraph import runtime, trees
+from breakgraph import runtime
+from breakgraph.batches import StaticInputs, live_rows
 from breakgraph.tables import format_table
 from breakgraph.graph import BreakableCUDAGraph
 from breakgraph.graphed import GraphedCallable
 from breakgraph.pool import new_pool, pool_bytes
-from breakgraph.recorder import parse_random_ops
+from breakgraph.dispatch import UncapturableOpError, is_capture_violation
+from breakgraph.recorder import parse_generators, parse_random_ops
 from breakgraph.sizes import choose_size, default_capture_sizes, validate_capture_sizes
 
 log = logging.getLogger("breakgraph.runner")
-
-
-def _arguments(inputs, extra: dict) -> tuple[tuple, dict]:
-    """How ``fn`` is called on ``inputs``: a tensor or a tuple/list positionally, a dict by keyword."""
-    if isinstance(inputs, torch.Tensor):
-        return (inputs,), extra
-    if isinstance(inputs, dict):
-        return (), {**inputs, **extra}
-    return tuple(inputs), extra
 
 
 class GraphRunner:
@@ -46,8 +39,15 @@ class GraphRunner:
     ``key_fn(*inputs)`` returns the keys that may serve a batch, most
     preferred first; the first key with a captured size that fits wins.
     ``capture_sizes`` may then be a dict giving each key its own sizes.
-    ``random_ops`` is as for :class:`BreakableCUDAGraphCapture`: "error"
-    makes start-up capture faster for models with no random ops.
+
+    ``warmup="auto"`` (default) runs ``fn`` eagerly once per key, at the
+    first size captured for it, and captures every other size directly; a
+    size whose capture fails the way lazy initialisation inside a capture
+    fails (a CUDA call that capture forbids) is warmed up once and captured
+    again. An int runs ``fn`` that many times before every size's capture.
+    ``lazy=True`` captures nothing up front: each (key, size) is captured
+    the first time a batch needs it. ``random_ops`` and ``generators`` are as
+    for :class:`BreakableCUDAGraphCapture`.
     """
 
     def __init__(
@@ -60,24 +60,21 @@ class GraphRunner:
         key_fn: Callable[..., Sequence[Hashable]] | None = None,
         pad_value: float = 0,
         clone: bool = False,
-        warmup: int = 1,
+        warmup: int | str = "auto",
+        lazy: bool = False,
         progress: bool = True,
         debug: bool | None = None,
-        random_ops: str = "break",
+        random_ops: str = "graph",
+        generators=(),
     ):
         if not callable(fn):
             raise TypeError(f"GraphRunner needs a callable to capture, got {type(fn).__name__}")
-        leaves, self._spec = trees.flatten(static_inputs, objects=False)
-        if not leaves or not all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in leaves):
-            raise TypeError("static_inputs must be a tensor or a tuple/list/dict of tensors with a batch dimension 0")
-        self.max_size = leaves[0].shape[0]
-        if any(t.shape[0] != self.max_size for t in leaves):
-            raise ValueError(f"static inputs disagree on the batch dimension: {[tuple(t.shape) for t in leaves]}")
+        self.inputs = StaticInputs(static_inputs)
+        self.max_size = self.inputs.max_size
         if (keys is None) != (key_fn is None):
             raise ValueError("give keys and key_fn together, or neither")
         self.fn = fn
         self.static_inputs = static_inputs
-        self._static_leaves = leaves
         self.keys = list(keys) if keys is not None else [None]
         if capture_sizes is None:
             capture_sizes = default_capture_sizes(self.max_size)
@@ -86,16 +83,22 @@ class GraphRunner:
         if set(capture_sizes) != set(self.keys):
             raise ValueError(f"capture_sizes has keys {list(capture_sizes)}, expected {self.keys}")
         self.sizes_by_key = {key: validate_capture_sizes(capture_sizes[key], self.max_size) for key in self.keys}
+        if warmup != "auto" and (isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0):
+            raise ValueError(f"warmup must be 'auto' or a number of eager runs >= 0, got {warmup!r}")
         self.key_fn = key_fn
         self.pad_value = pad_value
         self.clone = clone
         self.warmup = warmup
+        self.lazy = lazy
         self.progress = progress
         self.debug = runtime.debug_requested(debug)
         self.random_ops = parse_random_ops(random_ops)
+        self.generators = parse_generators(generators)
         self.pool = None
         self._graphed: dict[tuple[Hashable, int], GraphedCallable] = {}
         self._capture_seconds: dict[tuple[Hashable, int], float] = {}
+        self._warmed_up: set[tuple[Hashable, int]] = set()
+        self._first_use_seconds: dict[tuple[Hashable, int], float] = {}
         self._logged_eager = False
         self.eager_reason = runtime.eager_fallback_reason()
         if self.eager_reason is not None:
@@ -108,11 +111,14 @@ class GraphRunner:
 
     # -- capture ----------------------------------------------------------------------
     def capture(self) -> "GraphRunner":
-        """Capture every (key, size), largest size first, into one shared memory pool."""
+        """Capture every (key, size), largest size first, into one shared memory pool.
+        With ``lazy=True`` this only prepares the pool: sizes are captured on first use."""
         if self.eager_reason is not None:
             return self
         if self.pool is None:
             self.pool = new_pool()
+        if self.lazy:
+            return self
         work = sorted(
             ((key, size) for key, sizes in self.sizes_by_key.items() for size in sizes), key=lambda item: -item[1]
         )
@@ -121,23 +127,45 @@ class GraphRunner:
 
             work = tqdm(work, desc="breakgraph: capturing", unit="graph")
         for key, size in work:
-            if (key, size) in self._graphed:
-                continue
-            started = time.perf_counter()
-            views = trees.map_tensors(lambda tensor: tensor[:size], self.static_inputs)
-            args, kwargs = _arguments(views, {} if key is None else {"key": key})
-            self._graphed[(key, size)] = GraphedCallable(
-                self.fn,
-                args,
-                kwargs,
-                debug=self.debug,
-                pool=self.pool,
-                warmup=self.warmup,
-                random_ops=self.random_ops,
-                warn=False,
-            )
-            self._capture_seconds[(key, size)] = time.perf_counter() - started
+            if (key, size) not in self._graphed:
+                self._capture_one(key, size)
         return self
+
+    def _capture_one(self, key: Hashable, size: int) -> GraphedCallable:
+        started = time.perf_counter()
+        if self.warmup == "auto":
+            first_of_key = not any(done == key for done, _size in self._graphed)
+            try:
+                graphed = self._graphed_at(key, size, warmup=1 if first_of_key else 0)
+            except Exception as error:
+                if first_of_key or not (isinstance(error, UncapturableOpError) or is_capture_violation(error)):
+                    raise
+                log.info("capture of size %d failed without warm-up (%s): warming up and capturing again", size, error)
+                graphed = self._graphed_at(key, size, warmup=1)
+                first_of_key = True
+            if first_of_key:
+                self._warmed_up.add((key, size))
+        else:
+            graphed = self._graphed_at(key, size, warmup=self.warmup)
+            if self.warmup:
+                self._warmed_up.add((key, size))
+        self._graphed[(key, size)] = graphed
+        self._capture_seconds[(key, size)] = time.perf_counter() - started
+        return graphed
+
+    def _graphed_at(self, key: Hashable, size: int, warmup: int) -> GraphedCallable:
+        args, kwargs = self.inputs.arguments(self.inputs.views(size), {} if key is None else {"key": key})
+        return GraphedCallable(
+            self.fn,
+            args,
+            kwargs,
+            debug=self.debug,
+            pool=self.pool,
+            warmup=warmup,
+            random_ops=self.random_ops,
+            generators=self.generators,
+            warn=False,
+        )
 
     # -- dispatch ------------------------------------------------------------------------
     def select(self, n: int, candidates: Sequence[Hashable] = (None,)) -> tuple[Hashable, int] | None:
@@ -149,10 +177,10 @@ class GraphRunner:
         return None
 
     def __call__(self, *args, **kwargs):
-        inputs = self._live_inputs(args, kwargs)
-        live = self._validate(inputs)
+        inputs = self.inputs.live(args, kwargs)
+        live = self.inputs.check(inputs)
         n = live[0].shape[0]
-        if self.eager_reason is None and not self._graphed:
+        if self.eager_reason is None and self.pool is None:
             self.capture()
         candidates = self._candidates(inputs)
         chosen = None if self.eager_reason is not None else self.select(n, candidates)
@@ -160,71 +188,31 @@ class GraphRunner:
             if self.eager_reason is None and not self._logged_eager:
                 log.debug("batch of %d rows fits no captured size: running eagerly", n)
                 self._logged_eager = True
-            call_args, call_kwargs = _arguments(inputs, {} if self.key_fn is None else {"key": candidates[0]})
+            call_args, call_kwargs = self.inputs.arguments(inputs, {} if self.key_fn is None else {"key": candidates[0]})
             return self.fn(*call_args, **call_kwargs)
         key, size = chosen
-        for static, fresh in zip(self._static_leaves, live):
-            static[:n].copy_(fresh)
-            if n < size:
-                static[n:size].fill_(self.pad_value)
-        output = self._graphed[(key, size)].replay()
-
-        def rows(tensor: torch.Tensor) -> torch.Tensor:
-            if tensor.dim() > 0 and tensor.shape[0] == size:
-                tensor = tensor[:n]
-            return tensor.clone() if self.clone else tensor
-
-        return trees.map_tensors(rows, output)
-
-    def _live_inputs(self, args, kwargs):
-        if isinstance(self.static_inputs, dict):
-            if args:
-                raise TypeError("this runner's static inputs are a dict: pass live inputs by keyword")
-            return kwargs
-        if kwargs:
-            raise TypeError("pass live inputs positionally, in the order of the static inputs")
-        if isinstance(self.static_inputs, torch.Tensor):
-            if len(args) != 1:
-                raise TypeError(f"expected 1 input tensor, got {len(args)}")
-            return args[0]
-        return type(self.static_inputs)(args) if not hasattr(self.static_inputs, "_fields") else type(self.static_inputs)(*args)
-
-    def _validate(self, inputs) -> list[torch.Tensor]:
-        """The live input tensors, in the static buffers' order, after checking they fit them."""
-        statics = self._static_leaves
-        if isinstance(self.static_inputs, dict) and set(inputs) != set(self.static_inputs):
-            raise ValueError(f"expected inputs {sorted(self.static_inputs)}, got {sorted(inputs)}")
-        lives, _spec = trees.flatten(inputs, objects=False)
-        if len(lives) != len(statics):
-            raise ValueError(f"expected {len(statics)} inputs, got {len(lives)}")
-        for index, (static, live) in enumerate(zip(statics, lives)):
-            if not isinstance(live, torch.Tensor):
-                raise TypeError(f"input {index}: expected a tensor, got {type(live).__name__}")
-        n = lives[0].shape[0] if lives[0].dim() > 0 else None
-        if n == 0:
-            raise ValueError("empty batch: n = 0 rows; skip the call instead")
-        for index, (static, live) in enumerate(zip(statics, lives)):
-            if live.dim() == 0 or live.shape[0] != n:
-                raise ValueError(f"input {index}: {live.shape[0] if live.dim() else 'no'} rows, but input 0 has {n}")
-            if live.shape[1:] != static.shape[1:]:
-                raise ValueError(
-                    f"input {index}: shape {tuple(live.shape)} does not fit static buffer {tuple(static.shape)} "
-                    "(only dimension 0, the batch, may differ)"
-                )
-            if live.dtype != static.dtype:
-                raise ValueError(f"input {index}: dtype {live.dtype}, static buffer has {static.dtype}")
-        return lives
+        self.inputs.fill(live, size, self.pad_value)
+        graphed = self._graphed.get((key, size))
+        if graphed is None:  # lazy: captured on first use, and that use timed
+            started = time.perf_counter()
+            output = self._capture_one(key, size).replay()
+            torch.cuda.current_stream().synchronize()
+            self._first_use_seconds[(key, size)] = time.perf_counter() - started
+        else:
+            output = graphed.replay()
+        return live_rows(output, size, n, self.clone)
 
     def _candidates(self, inputs) -> list[Hashable]:
         if self.key_fn is None:
             return [None]
-        key_args, key_kwargs = _arguments(inputs, {})
+        key_args, key_kwargs = self.inputs.arguments(inputs, {})
         keys = self.key_fn(*key_args, **key_kwargs)
         return list(keys) if isinstance(keys, (list, tuple)) else [keys]
 
     # -- report --------------------------------------------------------------------------
     def report(self, print_table: bool = True) -> dict:
-        """Sizes captured, segments per size, capture time per size, pool bytes."""
+        """Sizes captured, segments per size, capture time per size (and whether it needed a
+        warm-up run), the first-use latency of sizes captured lazily, pool bytes."""
         rows = [
             {
                 "key": "" if key is None else key,
@@ -232,6 +220,10 @@ class GraphRunner:
                 "graphs": graphed.graph.num_graphs,
                 "eager_breaks": graphed.graph.num_eager_breaks,
                 "capture_ms": round(self._capture_seconds[(key, size)] * 1000, 2),
+                "warmed_up": (key, size) in self._warmed_up,
+                "first_use_ms": round(self._first_use_seconds[(key, size)] * 1000, 2)
+                if (key, size) in self._first_use_seconds
+                else "",
             }
             for (key, size), graphed in sorted(self._graphed.items(), key=lambda item: (str(item[0][0]), item[0][1]))
         ]
@@ -241,6 +233,7 @@ class GraphRunner:
             if self.eager_reason is not None:
                 print(f"GraphRunner: eager ({self.eager_reason})")
             else:
-                print(format_table(rows, ["key", "size", "graphs", "eager_breaks", "capture_ms"]))
+                columns = ["key", "size", "graphs", "eager_breaks", "capture_ms", "warmed_up"]
+                print(format_table(rows, columns + (["first_use_ms"] if self._first_use_seconds else [])))
                 print(f"{len(rows)} graphs captured, pool holds {total_bytes / 2**20:.1f} MiB")
         return report

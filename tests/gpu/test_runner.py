@@ -111,3 +111,50 @@ def test_debug_mode_runner_matches_eager():
     x = torch.randn(3, 8, 64, device=DEV)
     assert_close(runner(x), model(x), 1e-4, 1e-4)
     assert all(g.num_eager_breaks == 1 and g.num_graphs == 0 for g in runner.graphs.values())
+
+
+@torch.no_grad()
+def test_auto_warmup_runs_once_per_key_and_every_size_matches_eager():
+    model, runner = _runner(capture_sizes=[1, 2, 4, 8, 16, 24], progress=False)
+    report = runner.report(print_table=False)
+    assert [row["size"] for row in report["rows"] if row["warmed_up"]] == [24]  # the first size captured
+    for n in (1, 3, 7, 16, 24):
+        x = torch.randn(n, 8, 64, device=DEV)
+        assert_close(runner(x), model(x), 1e-4, 1e-4)
+
+
+@torch.no_grad()
+def test_auto_warmup_warms_up_a_size_whose_capture_needs_it():
+    initialised = set()
+
+    def fn(x):
+        if x.shape[0] not in initialised:  # lazy per-size set-up, as autotuners do: a host sync
+            initialised.add(x.shape[0])
+            x.sum().item()
+        return softmax_rows(x) * 2
+
+    static = torch.zeros(8, 4, device=DEV)
+    runner = bg.GraphRunner(fn, static, capture_sizes=[2, 8], progress=False).capture()
+    assert {row["size"]: row["warmed_up"] for row in runner.report(print_table=False)["rows"]} == {2: True, 8: True}
+    for n in (1, 2, 5):
+        x = torch.randn(n, 4, device=DEV)
+        assert_close(runner(x), torch.softmax(x, -1) * 2)
+
+
+@bg.eager_on_graph
+def softmax_rows(x):
+    return torch.softmax(x, -1)
+
+
+@torch.no_grad()
+def test_lazy_runner_captures_each_size_on_first_use():
+    model, runner = _runner(capture_sizes=[2, 4, 8], lazy=True, progress=False)
+    assert runner.graphs == {}
+    x = torch.randn(3, 8, 64, device=DEV)
+    assert_close(runner(x), model(x), 1e-4, 1e-4)
+    assert list(runner.graphs) == [(None, 4)]
+    row = runner.report(print_table=False)["rows"][0]
+    assert row["size"] == 4 and row["first_use_ms"] > 0 and row["warmed_up"]
+    again = torch.randn(4, 8, 64, device=DEV)
+    assert_close(runner(again), model(again), 1e-4, 1e-4)
+    assert list(runner.graphs) == [(None, 4)]

@@ -1,0 +1,103 @@
+"""A runner's static input buffers: the views each size is captured on, and live batches
+checked, copied in and padded, and outputs cut back to the live rows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from breakgraph import trees
+
+
+class StaticInputs:
+    """Max-size buffers (a tensor, or a tuple/list/dict of tensors) whose dimension 0 is the batch."""
+
+    def __init__(self, buffers):
+        leaves, _spec = trees.flatten(buffers, objects=False)
+        if not leaves or not all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in leaves):
+            raise TypeError("static_inputs must be a tensor or a tuple/list/dict of tensors with a batch dimension 0")
+        self.max_size = leaves[0].shape[0]
+        if any(t.shape[0] != self.max_size for t in leaves):
+            raise ValueError(f"static inputs disagree on the batch dimension: {[tuple(t.shape) for t in leaves]}")
+        self.buffers = buffers
+        self.leaves = leaves
+
+    @property
+    def device(self) -> torch.device:
+        return self.leaves[0].device
+
+    def arguments(self, inputs, extra: dict) -> tuple[tuple, dict]:
+        """How ``fn`` is called on ``inputs`` (shaped like the buffers): a tensor or a
+        tuple/list positionally, a dict by keyword, ``extra`` by keyword."""
+        if isinstance(inputs, torch.Tensor):
+            return (inputs,), extra
+        if isinstance(inputs, dict):
+            return (), {**inputs, **extra}
+        return tuple(inputs), extra
+
+    def views(self, size: int):
+        """The buffers' first ``size`` rows, shaped like the buffers."""
+        return trees.map_tensors(lambda tensor: tensor[:size], self.buffers)
+
+    def live(self, args: tuple, kwargs: dict):
+        """A call's arguments shaped like the buffers."""
+        buffers = self.buffers
+        if isinstance(buffers, dict):
+            if args:
+                raise TypeError("this runner's static inputs are a dict: pass live inputs by keyword")
+            return kwargs
+        if kwargs:
+            raise TypeError("pass live inputs positionally, in the order of the static inputs")
+        if isinstance(buffers, torch.Tensor):
+            if len(args) != 1:
+                raise TypeError(f"expected 1 input tensor, got {len(args)}")
+            return args[0]
+        return type(buffers)(*args) if hasattr(buffers, "_fields") else type(buffers)(args)
+
+    def check(self, inputs) -> list[torch.Tensor]:
+        """The live input tensors, in the buffers' order, after checking that they fit them."""
+        statics = self.leaves
+        if isinstance(self.buffers, dict) and set(inputs) != set(self.buffers):
+            raise ValueError(f"expected inputs {sorted(self.buffers)}, got {sorted(inputs)}")
+        lives, _spec = trees.flatten(inputs, objects=False)
+        if len(lives) != len(statics):
+            raise ValueError(f"expected {len(statics)} inputs, got {len(lives)}")
+        for index, live in enumerate(lives):
+            if not isinstance(live, torch.Tensor):
+                raise TypeError(f"input {index}: expected a tensor, got {type(live).__name__}")
+        n = lives[0].shape[0] if lives[0].dim() > 0 else None
+        if n == 0:
+            raise ValueError("empty batch: n = 0 rows; skip the call instead")
+        for index, (static, live) in enumerate(zip(statics, lives)):
+            if live.dim() == 0 or live.shape[0] != n:
+                raise ValueError(f"input {index}: {live.shape[0] if live.dim() else 'no'} rows, but input 0 has {n}")
+            if live.shape[1:] != static.shape[1:]:
+                raise ValueError(
+                    f"input {index}: shape {tuple(live.shape)} does not fit static buffer {tuple(static.shape)} "
+                    "(only dimension 0, the batch, may differ)"
+                )
+            if live.dtype != static.dtype:
+                raise ValueError(f"input {index}: dtype {live.dtype}, static buffer has {static.dtype}")
+        return lives
+
+    def fill(self, live: list[torch.Tensor], size: int, pad_value: float) -> None:
+        """Copy ``live`` into the first rows and pad the rest up to ``size``."""
+        n = live[0].shape[0]
+        for static, fresh in zip(self.leaves, live):
+            static[:n].copy_(fresh)
+            if n < size:
+                static[n:size].fill_(pad_value)
+
+
+def live_rows(output: Any, size: int, n: int, clone: bool) -> Any:
+    """``output`` with every tensor whose dimension 0 is the captured ``size`` cut to ``n`` rows."""
+
+    def rows(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() > 0 and tensor.shape[0] == size:
+            tensor = tensor[:n]
+        return tensor.clone() if clone else tensor
+
+    return trees.map_tensors(rows, output)
+
+
