@@ -1,7 +1,8 @@
 """Capture time: regions with N breaks, and an engine's start-up at 35 batch sizes.
 
 Part 1, side by side in one run: breakgraph (one BreakableCUDAGraphCapture,
-with and without watching ops for random ones: ``random_ops``);
+with its default settings, and with ``random_ops="error"`` (no generator
+armed) and ``random_ops="break"`` (the opt-in op watch));
 one torch.cuda.CUDAGraph per segment through capture_begin/capture_end (vLLM's
 way); one torch.cuda.graph(...) context per segment (Meta's way); and the
 floor, bare cuda.bindings capture and instantiation per segment. Each region
@@ -9,8 +10,11 @@ is N segments of a tiny kernel with a no-op eager function between them.
 
 Part 2, an engine's start-up: the decoder of ``decode_step`` captured at the
 35 batch sizes vLLM captures by default up to 256 (1, 2, 4, 8, 16, 24, …,
-256), each after one eager warm-up step, into one shared pool: breakgraph's
-GraphRunner against one torch.cuda.CUDAGraph per segment per size.
+256) into one shared pool: breakgraph's GraphRunner with its defaults (one
+warm-up step, then every size captured directly), the runner with a warm-up
+step before every size, and one torch.cuda.CUDAGraph per segment per size
+after a warm-up step per size (the peers' way). A lazy runner's first-use
+latency (capture on the first batch of a size) is reported beside.
 
 Every variant's replay is checked against eager first. A capture's time
 ends when its graphs are ready to replay; releasing earlier captures is not
@@ -42,7 +46,7 @@ from benchmarks.decoder import (
 )
 
 
-def capture_breakgraph(n, x, pool, random_ops="break"):
+def capture_breakgraph(n, x, pool, random_ops="graph"):
     graph = bg.BreakableCUDAGraph(pool=pool)
     with bg.BreakableCUDAGraphCapture(graph, random_ops=random_ops):
         for _ in range(n):
@@ -118,6 +122,7 @@ def break_count_rows(sizes, repeats) -> list[dict]:
     makers = {
         "breakgraph": lambda n: capture_breakgraph(n, x, None),
         "breakgraph, random_ops='error'": lambda n: capture_breakgraph(n, x, None, random_ops="error"),
+        "breakgraph, random_ops='break' (op watch)": lambda n: capture_breakgraph(n, x, None, random_ops="break"),
         "capture_begin/capture_end per segment": lambda n: capture_begin_end(n, x, torch.cuda.graph_pool_handle(), stream),
         "torch.cuda.graph context per segment": lambda n: graph_context_per_segment(n, x, torch.cuda.graph_pool_handle(), stream),
         "bare cuda.bindings capture per segment (floor)": lambda n: capture_bare(n, x, stream),
@@ -126,17 +131,20 @@ def break_count_rows(sizes, repeats) -> list[dict]:
         timed_capture(lambda: make(8), 2)
     rows = []
     for n in sizes:
-        ms = {}
-        for name, make in makers.items():
-            ms[name], replay = timed_capture(lambda: make(n), repeats)
-            x.zero_()
-            replay()
-            torch.cuda.synchronize()
-            assert torch.all(x == n), f"{name}: replay gave {x[0].item()}, eager gives {n}"
-            rows.append({"breaks": n, "variant": name, "capture_ms": round(ms[name], 2)})
+        samples = {name: [] for name in makers}
+        for _ in range(repeats):  # interleaved, so the machine's drift falls on every variant alike
+            for name, make in makers.items():
+                elapsed, replay = timed_capture(lambda: make(n), 1)
+                samples[name].append(elapsed)
+                x.zero_()
+                replay()
+                torch.cuda.synchronize()
+                assert torch.all(x == n), f"{name}: replay gave {x[0].item()}, eager gives {n}"
+        ms = {name: statistics.median(values) for name, values in samples.items()}
+        rows += [{"breaks": n, "variant": name, "capture_ms": round(value, 2)} for name, value in ms.items()]
         context, begin_end = ms["torch.cuda.graph context per segment"], ms["capture_begin/capture_end per segment"]
         floor = ms["bare cuda.bindings capture per segment (floor)"]
-        for name in ("breakgraph", "breakgraph, random_ops='error'"):
+        for name in ("breakgraph", "breakgraph, random_ops='error'", "breakgraph, random_ops='break' (op watch)"):
             rows.append(
                 {
                     "breaks": n,
@@ -159,16 +167,22 @@ def startup_rows(config: DecoderConfig, sizes, repeats) -> list[dict]:
     checked = sorted({sizes[0], sizes[len(sizes) // 2], sizes[-1]})
     makers = {
         "breakgraph GraphRunner": lambda: capture_breakgraph_sizes(inputs, sizes),
-        "breakgraph GraphRunner, random_ops='error'": lambda: capture_breakgraph_sizes(inputs, sizes, random_ops="error"),
+        "breakgraph GraphRunner, warm-up before every size": lambda: capture_breakgraph_sizes(inputs, sizes, warmup=1),
         "torch CUDAGraph per segment": lambda: capture_piecewise_sizes(inputs, sizes, torch.cuda.graph_pool_handle(), stream),
     }
     ms = {name: [] for name in makers}
     worst = dict.fromkeys(makers, 0.0)
-    for _ in range(repeats):  # alternate, so drift in the machine hits both
+    warmed = {}
+    for _ in range(repeats):  # alternate, so drift in the machine hits every variant
         for name, make in makers.items():
             elapsed, captured = timed_capture(make, 1)
             ms[name].append(elapsed)
-            run = runner_replay(inputs, captured) if isinstance(captured, bg.GraphRunner) else graphs_replay(captured)
+            if isinstance(captured, bg.GraphRunner):
+                warmed[name] = sum(row["warmed_up"] for row in captured.report(print_table=False)["rows"])
+                run = runner_replay(inputs, captured)
+            else:
+                warmed[name] = len(sizes)
+                run = graphs_replay(captured)
             worst[name] = max(worst[name], check_sizes(inputs, run, checked))
             del captured, run
     rows = [
@@ -177,22 +191,47 @@ def startup_rows(config: DecoderConfig, sizes, repeats) -> list[dict]:
             "variant": name,
             "capture_ms": round(statistics.median(values), 1),
             "ms_per_size": round(statistics.median(values) / len(sizes), 2),
+            "sizes_warmed_up": warmed[name],
             "max_abs_diff_vs_eager": round(worst[name], 4),
         }
         for name, values in ms.items()
     ]
-    ours, ours_unwatched, theirs = (statistics.median(values) for values in ms.values())
+    ours, ours_each, theirs = (statistics.median(values) for values in ms.values())
     rows.append(
         {
             "sizes": len(sizes),
             "variant": "ratios",
             "capture_ms": (
                 f"torch-per-segment/breakgraph {theirs / ours:.2f}x; "
-                f"torch-per-segment/breakgraph random_ops='error' {theirs / ours_unwatched:.2f}x"
+                f"torch-per-segment/breakgraph warm-up before every size {theirs / ours_each:.2f}x"
             ),
         }
     )
+    rows.append(first_use_row(inputs, sizes))
     return rows
+
+
+def first_use_row(inputs: BatchInputs, sizes) -> dict:
+    """A lazy runner serves at once: its first batch of a size pays that size's capture."""
+    started = time.perf_counter()
+    runner = capture_breakgraph_sizes(inputs, sizes, lazy=True)
+    ready_ms = (time.perf_counter() - started) * 1000
+    size = sizes[len(sizes) // 2]
+    run = runner_replay(inputs, runner)
+    run(size)  # first use: capture, then replay
+    steady = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        run(size)
+        torch.cuda.synchronize()
+        steady.append((time.perf_counter() - started) * 1000)
+    first_use = runner.report(print_table=False)["rows"][0]["first_use_ms"]
+    return {
+        "sizes": len(sizes),
+        "variant": "breakgraph GraphRunner, lazy=True",
+        "capture_ms": f"ready in {ready_ms:.1f} ms; first batch of size {size} {first_use:.1f} ms, then {statistics.median(steady):.2f} ms",
+    }
 
 
 def main(argv=None) -> int:
@@ -209,7 +248,7 @@ def main(argv=None) -> int:
     sizes = bg.default_capture_sizes(16 if args.quick else 256)
     rows = startup_rows(config, sizes, 1 if args.quick else 3)
     meta |= {"config": {k: str(v) for k, v in vars(config).items()}, "batch_sizes": sizes}
-    columns = ["sizes", "variant", "capture_ms", "ms_per_size", "max_abs_diff_vs_eager"]
+    columns = ["sizes", "variant", "capture_ms", "ms_per_size", "sizes_warmed_up", "max_abs_diff_vs_eager"]
     write_outputs("capture_startup", rows, columns, args.out, meta, draw_startup)
     return 0
 
@@ -224,6 +263,7 @@ def draw(ax, rows):
 
 
 def draw_startup(ax, rows):
+    rows = [r for r in rows if isinstance(r["capture_ms"], float)]
     names = [r["variant"] for r in rows]
     ax.barh(names, [r["capture_ms"] for r in rows], color=["tab:blue", "tab:cyan", "tab:orange"][: len(rows)])
     ax.set_xlabel(f"ms to capture the decoder at {rows[0]['sizes']} batch sizes (lower is better)")

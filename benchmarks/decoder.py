@@ -209,16 +209,10 @@ class BatchInputs:
         return self.decoder.step(self.x[:size], self.positions[:size], self.meta).clone()
 
 
-def capture_breakgraph_sizes(inputs: BatchInputs, sizes, warmup: int = 1, random_ops: str = "break") -> bg.GraphRunner:
-    """breakgraph's way: one GraphRunner, largest size first, one shared pool."""
-    runner = bg.GraphRunner(
-        inputs.step_fn(attention_break),
-        (inputs.x, inputs.positions),
-        sizes,
-        warmup=warmup,
-        progress=False,
-        random_ops=random_ops,
-    )
+def capture_breakgraph_sizes(inputs: BatchInputs, sizes, **runner_options) -> bg.GraphRunner:
+    """breakgraph's way: one GraphRunner, largest size first, one shared pool (default options
+    unless ``runner_options`` says otherwise)."""
+    runner = bg.GraphRunner(inputs.step_fn(attention_break), (inputs.x, inputs.positions), sizes, progress=False, **runner_options)
     return runner.capture()
 
 

@@ -15,6 +15,7 @@ pytestmark = pytest.mark.gpu
         ("decode_step", ["decode_step"]),
         ("memory", ["memory"]),
         ("capture_time", ["capture_time", "capture_startup"]),
+        ("training_step", ["training_step"]),
     ],
 )
 def test_benchmark_quick_run(name, outputs, tmp_path):

@@ -1,0 +1,206 @@
+"""Training-step latency with dropout captured inside the graphs.
+
+One step of an MLP with dropout after every layer: forward, an eager break
+that reads the loss on the host (as a training loop logs it), backward, an
+eager break that clips the gradient norm on the host's say, and the
+optimizer step. Variants, side by side in one run: eager; breakgraph (one
+capture, dropout inside its segments); one torch.cuda.CUDAGraph per segment
+with the breaks replayed in a Python loop (the peers' way, dropout inside
+torch's graphs); and a monolithic torch.cuda.graph of the step with the
+breaks left out (less work: the lower bound). Before timing, every variant
+runs seeded steps from the same weights and is compared with eager under
+the same seeds: the same generator offsets draw the same dropout masks.
+
+    python -m benchmarks.training_step [--quick] [--out results]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import breakgraph as bg
+from benchmarks.common import device_meta, plot_grouped_bars, time_variants, write_outputs
+from breakgraph.runtime import run_on_stream
+
+VARIANTS = ("eager", "breakgraph", "torch CUDAGraph per segment", "lower bound: monolithic graph, no breaks")
+
+
+class Trainer:
+    """Model, optimizer and static batch; ``step(log, clip)`` is one training step."""
+
+    def __init__(self, hidden: int, layers: int, batch: int, dropout: float):
+        torch.manual_seed(0)
+        blocks = []
+        for _ in range(layers):
+            blocks += [nn.Linear(hidden, hidden), nn.GELU(), nn.Dropout(dropout)]
+        self.model = nn.Sequential(*blocks, nn.Linear(hidden, 1)).cuda()
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+        self.x = torch.randn(batch, hidden, device="cuda")
+        self.y = torch.randn(batch, 1, device="cuda")
+        self.logged = torch.zeros((), device="cuda")
+
+    def forward(self):
+        self.opt.zero_grad(set_to_none=False)
+        return F.mse_loss(self.model(self.x), self.y)
+
+    def backward(self, loss):
+        loss.backward()
+
+    def update(self):
+        self.opt.step()
+
+    def step(self, log, clip):
+        loss = self.forward()
+        log(loss)
+        self.backward(loss)
+        clip(self.model)
+        self.update()
+        return loss
+
+
+def log_loss(loss):
+    """A host read of the loss: what a training loop prints."""
+    return float(loss.item())
+
+
+def clip_gradients(model):
+    """Gradient-norm clipping decided on the host (``error_if_nonfinite`` reads the norm back)."""
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+
+
+class Captured:
+    def __init__(self, trainer: Trainer, stream: torch.cuda.Stream):
+        self.trainer = trainer
+        run_on_stream(stream, lambda: trainer.step(log_loss, clip_gradients))  # warm up: grads exist
+        self.state = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+        self.graph = bg.BreakableCUDAGraph()
+        with bg.BreakableCUDAGraphCapture(self.graph, stream=stream):
+            self.loss_bg = trainer.step(bg.eager_on_graph(log_loss), bg.eager_on_graph(clip_gradients))
+
+        pool = torch.cuda.graph_pool_handle()
+        self.segments = [torch.cuda.CUDAGraph() for _ in range(3)]
+
+        def per_segment():
+            self.segments[0].capture_begin(pool=pool)
+            loss = trainer.forward()
+            self.segments[0].capture_end()
+            log_loss(loss)
+            self.segments[1].capture_begin(pool=pool)
+            trainer.backward(loss)
+            self.segments[1].capture_end()
+            clip_gradients(trainer.model)
+            self.segments[2].capture_begin(pool=pool)
+            trainer.update()
+            self.segments[2].capture_end()
+            return loss
+
+        self.loss_seg = run_on_stream(stream, per_segment)
+
+        self.monolithic = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.monolithic, stream=stream, pool=pool):
+            self.loss_mono = trainer.step(lambda loss: None, lambda model: None)
+        trainer.model.load_state_dict(self.state)
+
+    def runs(self) -> dict:
+        trainer = self.trainer
+
+        def per_segment():
+            self.segments[0].replay()
+            log_loss(self.loss_seg)
+            self.segments[1].replay()
+            clip_gradients(trainer.model)
+            self.segments[2].replay()
+            return self.loss_seg
+
+        return {
+            VARIANTS[0]: lambda: trainer.step(log_loss, clip_gradients),
+            VARIANTS[1]: lambda: (self.graph.replay(), self.loss_bg)[1],
+            VARIANTS[2]: per_segment,
+            VARIANTS[3]: lambda: (self.monolithic.replay(), self.loss_mono)[1],
+        }
+
+    def check(self, steps: int = 3) -> dict:
+        """From the same weights and seeds, every variant's losses and weights against eager's."""
+        worst = {}
+        for name, run in self.runs().items():
+            self.trainer.model.load_state_dict(self.state)
+            losses = []
+            for seed in range(steps):
+                torch.cuda.manual_seed(seed)
+                losses.append(run().clone())
+            weights = [p.detach().clone() for p in self.trainer.model.parameters()]
+            worst[name] = (torch.stack(losses), weights)
+        eager_losses, eager_weights = worst[VARIANTS[0]]
+        differences = {}
+        for name, (losses, weights) in worst.items():
+            difference = (losses - eager_losses).abs().max().item()
+            difference = max([difference] + [(w - e).abs().max().item() for w, e in zip(weights, eager_weights)])
+            if name != VARIANTS[3]:  # the lower bound skips the clipping break: not the same step
+                assert difference < 1e-4, f"{name}: differs from eager by {difference}"
+            differences[name] = difference
+        self.trainer.model.load_state_dict(self.state)
+        return differences
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small smoke run")
+    parser.add_argument("--out", default="results")
+    args = parser.parse_args(argv)
+    iters = 10 if args.quick else 100
+    shapes = [(512, 4, 32)] if args.quick else [(512, 8, 32), (1024, 8, 256), (2048, 8, 1024)]
+    stream = torch.cuda.Stream()
+    rows = []
+    for hidden, layers, batch in shapes:
+        captured = Captured(Trainer(hidden, layers, batch, dropout=0.1), stream)
+        differences = captured.check()
+        assert captured.graph.draws_random_numbers and captured.graph.num_eager_breaks == 2
+        us = time_variants({name: _synchronized(run) for name, run in captured.runs().items()}, iters)
+        label = f"{hidden}x{layers}, batch {batch}"
+        for name, value in us.items():
+            rows.append(
+                {
+                    "shape": label,
+                    "variant": name,
+                    "step_us": round(value, 1),
+                    "max_abs_diff_vs_eager": f"{differences[name]:.1e}",
+                }
+            )
+        ours = us[VARIANTS[1]]
+        rows.append(
+            {
+                "shape": label,
+                "variant": "ratios",
+                "step_us": (
+                    f"torch-per-segment/breakgraph {us[VARIANTS[2]] / ours:.2f}x; "
+                    f"eager/breakgraph {us[VARIANTS[0]] / ours:.2f}x; breakgraph/lower bound {ours / us[VARIANTS[3]]:.2f}x"
+                ),
+            }
+        )
+        del captured
+    write_outputs("training_step", rows, ["shape", "variant", "step_us", "max_abs_diff_vs_eager"], args.out, device_meta(), draw)
+    return 0
+
+
+def _synchronized(run):
+    def step():
+        run()
+        torch.cuda.synchronize()
+
+    return step
+
+
+def draw(ax, rows):
+    plot_grouped_bars(ax, rows, "shape", "step_us", str)
+    ax.set_yscale("log")
+    ax.set_ylabel("training step (µs, lower is better)")
+    ax.set_title(f"Training step with dropout ({torch.cuda.get_device_name()})")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
