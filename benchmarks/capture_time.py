@@ -31,7 +31,7 @@ import time
 
 import torch
 
-import bindings
+import breakgraph_bindings as bindings
 import breakgraph as bg
 from benchmarks.common import device_meta, noop, plot_lines, replay_each, write_outputs
 from benchmarks.decoder import (

@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-import bindings
+import breakgraph_bindings as bindings
 import breakgraph as bg
 from breakgraph.runtime import run_on_stream
 from benchmarks.common import device_meta, noop, plot_grouped_bars, replay_each, time_variants, write_outputs

@@ -4,11 +4,14 @@ A thin layer over ``cuda.bindings.runtime`` (cuda-python): every call checks its
 status and raises :class:`CudaError` with the error's name and text. Streams may
 be given as ``torch.cuda.Stream`` (anything with a ``cuda_stream`` attribute),
 raw integer handles, or ``cudaStream_t``. Nothing here imports torch.
+
+The folder is ``bindings/``; it installs as ``breakgraph_bindings``, a name no
+other project uses, so no ``bindings`` package or folder elsewhere shadows it.
 """
 
-from bindings.errors import CudaError, check, clear_last_error
-from bindings.streams import stream_handle, synchronize
-from bindings.capture import (
+from .errors import CudaError, check, clear_last_error
+from .streams import stream_handle, synchronize
+from .capture import (
     CaptureInfo,
     CaptureMode,
     CaptureStatus,
@@ -18,7 +21,7 @@ from bindings.capture import (
     end_capture,
     exchange_capture_mode,
 )
-from bindings.graph import Graph, GraphExec, device_count, launch_function
+from .graph import Graph, GraphExec, device_count, launch_function, probe_devices
 
 __all__ = [
     "CaptureInfo",
@@ -36,6 +39,7 @@ __all__ = [
     "end_capture",
     "exchange_capture_mode",
     "launch_function",
+    "probe_devices",
     "stream_handle",
     "synchronize",
 ]

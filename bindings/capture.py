@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 from cuda.bindings import runtime as cudart
 
-from bindings.errors import check
-from bindings.graph import Graph
-from bindings.streams import stream_handle
+from .errors import check
+from .graph import Graph
+from .streams import stream_handle
 
 
 class CaptureMode(enum.Enum):

@@ -7,8 +7,8 @@ import weakref
 
 from cuda.bindings import runtime as cudart
 
-from bindings.errors import CudaError, check
-from bindings.streams import stream_handle
+from .errors import CudaError, check
+from .streams import stream_handle
 
 _SUCCESS = cudart.cudaError_t.cudaSuccess
 
@@ -92,10 +92,16 @@ def launch_function():
     return cudart.cudaGraphLaunch
 
 
+def probe_devices() -> int:
+    """Number of CUDA devices the runtime sees (``cudaGetDeviceCount``); raises
+    :class:`CudaError` when it cannot talk to the driver (none, or too old for this
+    cuda-bindings release)."""
+    return int(check(cudart.cudaGetDeviceCount(), "cudaGetDeviceCount"))
+
+
 def device_count() -> int:
     """Number of CUDA devices; 0 where there is no driver or no device."""
     try:
-        err, count = cudart.cudaGetDeviceCount()
+        return probe_devices()
     except Exception:
         return 0
-    return int(count) if err == _SUCCESS else 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from cuda.bindings import runtime as cudart
 
-from bindings.errors import check
+from .errors import check
 
 _HANDLES: dict[int, cudart.cudaStream_t] = {}
 

@@ -5,6 +5,7 @@ breaks, so the few parts of a model that cannot be captured run eagerly
 while the rest keeps the launch-overhead savings of graphs.
 """
 
+from breakgraph_bindings import CudaError
 from breakgraph.capture import BreakableCUDAGraphCapture
 from breakgraph.context import is_capturing
 from breakgraph.debug import SegmentError
@@ -22,6 +23,7 @@ from breakgraph.writeback import WritebackError
 __all__ = [
     "BreakableCUDAGraph",
     "BreakableCUDAGraphCapture",
+    "CudaError",
     "GraphRunner",
     "GraphedCallable",
     "SegmentError",

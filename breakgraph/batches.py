@@ -52,6 +52,8 @@ class StaticInputs:
         if isinstance(buffers, torch.Tensor):
             if len(args) != 1:
                 raise TypeError(f"expected 1 input tensor, got {len(args)}")
+            if not isinstance(args[0], torch.Tensor):
+                raise TypeError(f"expected a tensor whose dimension 0 is the batch, got {type(args[0]).__name__}")
             return args[0]
         return type(buffers)(*args) if hasattr(buffers, "_fields") else type(buffers)(args)
 
@@ -66,12 +68,15 @@ class StaticInputs:
         for index, live in enumerate(lives):
             if not isinstance(live, torch.Tensor):
                 raise TypeError(f"input {index}: expected a tensor, got {type(live).__name__}")
-        n = lives[0].shape[0] if lives[0].dim() > 0 else None
+        for index, live in enumerate(lives):
+            if live.dim() == 0:
+                raise ValueError(f"input {index} is a 0-dim tensor: the runner needs the batch in dimension 0")
+        n = lives[0].shape[0]
         if n == 0:
             raise ValueError("empty batch: n = 0 rows; skip the call instead")
         for index, (static, live) in enumerate(zip(statics, lives)):
-            if live.dim() == 0 or live.shape[0] != n:
-                raise ValueError(f"input {index}: {live.shape[0] if live.dim() else 'no'} rows, but input 0 has {n}")
+            if live.shape[0] != n:
+                raise ValueError(f"input {index}: {live.shape[0]} rows, but input 0 has {n}")
             if live.shape[1:] != static.shape[1:]:
                 raise ValueError(
                     f"input {index}: shape {tuple(live.shape)} does not fit static buffer {tuple(static.shape)} "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from bindings import CaptureMode
+from breakgraph_bindings import CaptureMode
 from breakgraph import recorder, runtime
 from breakgraph.dispatch import clearer_error
 from breakgraph.graph import BreakableCUDAGraph

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-import bindings
+import breakgraph_bindings as bindings
 from breakgraph import trees
 from breakgraph.segments import Launcher, Segment
 

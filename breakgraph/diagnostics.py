@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-import bindings
+import breakgraph_bindings as bindings
 from breakgraph.tables import format_table
 
 

@@ -23,7 +23,7 @@ import traceback
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import bindings
+import breakgraph_bindings as bindings
 from breakgraph.context import ActiveCapture
 
 _aten = torch.ops.aten

@@ -31,6 +31,11 @@ def eager_on_graph(function=None, *, enable: bool = True):
     """
     if function is None:
         return functools.partial(eager_on_graph, enable=enable)
+    if not callable(function):
+        raise TypeError(
+            f"@eager_on_graph decorates a function, got {type(function).__name__}; "
+            "write @eager_on_graph or @eager_on_graph(enable=flag) above a def"
+        )
     if not enable:
         return function
 

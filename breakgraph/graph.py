@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-import bindings
-from bindings import CaptureMode, CudaError
+import breakgraph_bindings as bindings
+from breakgraph_bindings import CaptureMode, CudaError
 from breakgraph import context, debug as debug_mode, recorder, runtime
 from breakgraph.dispatch import clearer_error
 from breakgraph.pool import new_pool
@@ -46,6 +46,7 @@ class BreakableCUDAGraph:
     def pool(self):
         """The ``torch.cuda.MemPool`` every segment allocates from."""
         if self._pool is None:
+            runtime.require_cuda("BreakableCUDAGraph.pool (a torch.cuda.MemPool)")
             self._pool = new_pool()
         return self._pool
 

@@ -16,6 +16,7 @@ from breakgraph.capture import BreakableCUDAGraphCapture
 from breakgraph.eager import eager_on_graph
 from breakgraph.graph import BreakableCUDAGraph
 from breakgraph.recorder import parse_generators, parse_random_ops
+from breakgraph.writeback import make_writer
 
 
 class GraphedCallable:
@@ -24,7 +25,9 @@ class GraphedCallable:
     Refill the static argument tensors in place (``x.copy_(new)``) between
     replays. The returned output is the capture-time object, refreshed by
     every replay: copy what you must keep. Without a GPU, or with
-    ``BREAKGRAPH_DISABLE=1``, ``graph`` is None and replay calls ``fn``.
+    ``BREAKGRAPH_DISABLE=1``, ``graph`` is None: ``fn`` runs once here and at
+    every replay, and each result is written into that first output, so the
+    contract is the same (one output object, refreshed in place).
     """
 
     def __init__(
@@ -50,10 +53,13 @@ class GraphedCallable:
         self.generators = parse_generators(generators)
         self.output: Any = None
         self.graph: BreakableCUDAGraph | None = None
+        self._write_eager_result = None
         reason = runtime.eager_fallback_reason()
         if reason is not None:
             if warn:
                 warnings.warn(f"breakgraph: {reason}; {_name(fn)} runs eagerly on every replay", stacklevel=3)
+            self.output = fn(*args, **kwargs)
+            self._write_eager_result = make_writer(_name(fn), self.output)
             return
         self.graph = BreakableCUDAGraph(pool=pool, debug=self.debug)
         self._capture(warmup)
@@ -75,8 +81,9 @@ class GraphedCallable:
 
     def replay(self):
         if self.graph is None:
-            return self.fn(*self.args, **self.kwargs)
-        self.graph.replay()
+            self._write_eager_result(self.fn(*self.args, **self.kwargs))
+        else:
+            self.graph.replay()
         return self.output
 
     __call__ = replay

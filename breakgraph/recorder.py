@@ -19,8 +19,8 @@ from typing import Any, Callable
 
 import torch
 
-import bindings
-from bindings import CaptureMode, CudaError
+import breakgraph_bindings as bindings
+from breakgraph_bindings import CaptureMode, CudaError
 from breakgraph import context, rng, runtime, streams, trees
 from breakgraph.aliasing import alias_leaves, alias_result
 from breakgraph.dispatch import CaptureDispatchMode

@@ -33,8 +33,8 @@ from typing import Sequence
 
 import torch
 
-import bindings
-from bindings import CaptureMode
+import breakgraph_bindings as bindings
+from breakgraph_bindings import CaptureMode
 from breakgraph import runtime
 
 

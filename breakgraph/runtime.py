@@ -36,22 +36,43 @@ def capture_disabled() -> bool:
 
 
 @functools.cache
+def cuda_problem() -> str | None:
+    """Why breakgraph cannot use a GPU here, in words a user can act on; None when it can."""
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is available"
+    import breakgraph_bindings as bindings
+    from cuda.bindings import __version__ as bindings_version
+
+    try:
+        bindings.probe_devices()
+    except bindings.CudaError as error:
+        major = (torch.version.cuda or "").split(".")[0]
+        fix = f": pip install 'cuda-bindings=={major}.*'" if major else ""
+        return (
+            f"torch {torch.__version__} sees {torch.cuda.device_count()} GPU(s) through CUDA {torch.version.cuda}, "
+            f"but cuda-bindings {bindings_version} cannot use them ({error}); install the cuda-bindings "
+            f"release that matches torch's CUDA{fix}"
+        )
+    return None
+
+
 def cuda_available() -> bool:
     """True when torch sees a GPU and cuda-python can talk to its driver."""
-    if not torch.cuda.is_available():
-        return False
-    from bindings import device_count
-
-    return device_count() > 0
+    return cuda_problem() is None
 
 
 def eager_fallback_reason() -> str | None:
-    """Why the callable forms run eagerly here (no GPU, or ``BREAKGRAPH_DISABLE=1``), or None."""
+    """Why the callable forms run eagerly here (no usable GPU, or ``BREAKGRAPH_DISABLE=1``), or None."""
     if capture_disabled():
         return "BREAKGRAPH_DISABLE=1 is set"
-    if not cuda_available():
-        return "no CUDA GPU is available"
-    return None
+    return cuda_problem()
+
+
+def require_cuda(what: str) -> None:
+    """Refuse what only a GPU can do, saying so (rather than torch's dummy-class errors)."""
+    problem = cuda_problem()
+    if problem is not None:
+        raise RuntimeError(f"{what} needs a CUDA GPU: {problem}")
 
 
 def require_capture(what: str) -> None:
@@ -61,11 +82,11 @@ def require_capture(what: str) -> None:
             f"BREAKGRAPH_DISABLE=1 is set, and {what} cannot be re-run eagerly at replay. Use "
             "breakgraph.graphed(fn, *args) (or GraphRunner), which falls back to calling fn eagerly."
         )
-    if not cuda_available():
+    problem = cuda_problem()
+    if problem is not None:
         raise RuntimeError(
-            f"{what} needs a CUDA GPU, and none is available. Use breakgraph.graphed(fn, *args) "
-            "(or GraphRunner) instead: without a GPU it calls fn eagerly on every replay, so the "
-            "same code runs everywhere."
+            f"{what} needs a CUDA GPU ({problem}). Use breakgraph.graphed(fn, *args) (or GraphRunner) "
+            "instead: without a GPU it calls fn eagerly on every replay, so the same code runs everywhere."
         )
 
 

@@ -14,8 +14,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import bindings
-from bindings import Graph, GraphExec
+import breakgraph_bindings as bindings
+from breakgraph_bindings import Graph, GraphExec
 from breakgraph.writeback import Writer
 
 Launcher = Callable[[Any], Any]

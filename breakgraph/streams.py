@@ -21,7 +21,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from bindings import CaptureInfo, CaptureStatus
+from breakgraph_bindings import CaptureInfo, CaptureStatus
 from breakgraph import context
 
 

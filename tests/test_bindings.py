@@ -3,7 +3,7 @@
 import pytest
 from cuda.bindings import runtime as cudart
 
-import bindings
+import breakgraph_bindings as bindings
 
 
 def test_cuda_error_carries_code_name_and_text():
@@ -66,6 +66,6 @@ def test_bindings_do_not_import_torch():
     import subprocess
     import sys
 
-    code = "import sys, bindings; print('torch' in sys.modules)"
+    code = "import sys, breakgraph_bindings; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

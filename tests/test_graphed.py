@@ -27,16 +27,49 @@ def test_graphed_runs_eagerly_with_one_warning():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         g = bg.graphed(fn, x)
+        output = g.output
+        assert output is not None and len(calls) == 1  # run once, as a capture would
         for _ in range(3):
             fresh = torch.randn_like(x)
             x.copy_(fresh)
-            torch.testing.assert_close(g.replay(), torch.softmax(fresh, -1) * 2)
-    assert g.eager and len(calls) == 3
+            out = g.replay()
+            assert out is output  # the same object every time, refreshed in place, as on a GPU
+            torch.testing.assert_close(out, torch.softmax(fresh, -1) * 2)
+    assert g.eager and len(calls) == 4
     assert len([w for w in caught if "breakgraph" in str(w.message)]) == 1
+
+
+@no_gpu
+def test_eager_fallback_refreshes_structured_outputs_in_place():
+    def fn(x):
+        return {"double": x * 2, "parts": [x + 1, x.sum()]}
+
+    x = torch.randn(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = bg.graphed(fn, x)
+    held = g.output["parts"][0]
+    x.copy_(torch.ones(3))
+    out = g.replay()
+    assert out is g.output and out["parts"][0] is held
+    torch.testing.assert_close(held, torch.full((3,), 2.0))
+
+
+def test_arguments_are_checked_the_same_way_with_or_without_a_gpu():
+    with pytest.raises(TypeError, match="callable"):
+        bg.graphed(42, torch.ones(2))
+    with pytest.raises(ValueError, match="random_ops"):
+        bg.graphed(lambda x: x, torch.ones(2), random_ops="bogus")
+    with pytest.raises(ValueError, match="warmup"):
+        bg.graphed(lambda x: x, torch.ones(2), warmup=-1)
+    with pytest.raises(TypeError, match="callable"):
+        bg.GraphRunner(42, torch.ones(4, 2))
+    with pytest.raises(TypeError, match="eager_on_graph"):
+        bg.eager_on_graph(42)
 
 
 def test_disable_env_forces_eager(monkeypatch):
     monkeypatch.setenv("BREAKGRAPH_DISABLE", "1")
     with pytest.warns(UserWarning, match="BREAKGRAPH_DISABLE=1"):
         g = bg.graphed(lambda x: x + 1, torch.ones(2))
-    assert g.eager and torch.equal(g.replay(), torch.full((2,), 2.0))
+    assert g.eager and torch.equal(g.replay(), torch.full((2,), 2.0)) and g.replay() is g.output

@@ -26,15 +26,16 @@ def test_the_contracts_are_kept():
 @pytest.mark.parametrize(
     "path, line, broken",
     [
-        ("bindings/graph.py", "import torch", "bindings talks to cuda-python only"),
+        ("breakgraph_bindings/graph.py", "import torch", "bindings talks to cuda-python only"),
         ("breakgraph/segments.py", "import breakgraph.graph", "engine modules form layers"),
         ("breakgraph/runtime.py", "import tests.helpers", "library code never imports benchmarks or tests"),
         ("breakgraph/unlisted.py", "import breakgraph.trees", "engine modules form layers"),
     ],
 )
 def test_a_deliberately_broken_contract_fails(tmp_path, path, line, broken):
-    for name in ("breakgraph", "bindings", "benchmarks", "tests"):
-        shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
+    # The tree as it installs: the folder bindings/ is the package breakgraph_bindings.
+    for folder, package in (("breakgraph",) * 2, ("bindings", "breakgraph_bindings"), ("benchmarks",) * 2, ("tests",) * 2):
+        shutil.copytree(ROOT / folder, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path)
     with open(tmp_path / path, "a") as source:
         source.write(f"\n{line}  # deliberately against the contract\n")

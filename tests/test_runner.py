@@ -53,3 +53,25 @@ def test_runner_runs_eagerly_without_a_gpu():
     with pytest.raises(ValueError, match="n = 0"):
         runner(torch.randn(0, 3), torch.randn(0, 3))
     assert runner.report(print_table=False)["eager_reason"]
+
+
+def test_wrong_inputs_are_named_not_crashed():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(TypeError, match="static_inputs must be a tensor"):
+            bg.GraphRunner(lambda x: x, None)
+        with pytest.raises(TypeError, match="static_inputs must be a tensor"):
+            bg.GraphRunner(lambda x: x, 5)
+        runner = bg.GraphRunner(lambda x: x * 2, torch.zeros(4, 3), progress=False)
+        with pytest.raises(TypeError, match="expected a tensor whose dimension 0 is the batch, got list"):
+            runner([1, 2, 3])
+        with pytest.raises(ValueError, match="0-dim tensor"):
+            runner(torch.tensor(1.0))
+        with pytest.raises(TypeError, match="expected 1 input tensor, got 2"):
+            runner(torch.zeros(2, 3), torch.zeros(2, 3))
+
+
+@pytest.mark.skipif(cuda_available(), reason="checks the no-GPU message")
+def test_graph_pool_without_a_gpu_says_so():
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        bg.BreakableCUDAGraph().pool

@@ -20,6 +20,25 @@ def test_eager_fallback_reason_names_the_switch(monkeypatch):
     assert runtime.eager_fallback_reason() == "BREAKGRAPH_DISABLE=1 is set"
 
 
+def test_a_driver_that_cuda_bindings_cannot_use_is_explained(monkeypatch):
+    import breakgraph_bindings as bindings
+
+    def refuse():
+        raise bindings.CudaError(35, "cudaGetDeviceCount")  # cudaErrorInsufficientDriver
+
+    monkeypatch.setattr(runtime.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(runtime.torch.version, "cuda", "12.8")
+    monkeypatch.setattr(bindings, "probe_devices", refuse)
+    runtime.cuda_problem.cache_clear()
+    try:
+        problem = runtime.eager_fallback_reason()
+        assert "cudaErrorInsufficientDriver" in problem and "pip install 'cuda-bindings==12.*'" in problem
+        assert not runtime.cuda_available()
+    finally:
+        monkeypatch.undo()
+        runtime.cuda_problem.cache_clear()
+
+
 def test_cycle_collector_is_paused_and_restored_across_nested_holds():
     import gc
 

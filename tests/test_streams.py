@@ -6,7 +6,7 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from bindings import CaptureInfo, CaptureStatus
+from breakgraph_bindings import CaptureInfo, CaptureStatus
 from breakgraph.streams import ForkJoinTracker
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-import bindings
+import breakgraph_bindings as bindings
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"

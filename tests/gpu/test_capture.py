@@ -7,7 +7,7 @@ import weakref
 import pytest
 import torch
 
-import bindings
+import breakgraph_bindings as bindings
 import breakgraph as bg
 from tests.helpers import assert_close, check_against_eager, poison_
 

@@ -43,12 +43,14 @@ def test_disable_env_runs_callable_eagerly_and_refuses_context(monkeypatch):
     x = torch.randn(4, 8, device=DEV)
     with pytest.warns(UserWarning, match="BREAKGRAPH_DISABLE"):
         g = bg.graphed(fn, x)
-    assert g.eager and g.graph is None
+    assert g.eager and g.graph is None and len(calls) == 1
     for _ in range(2):
         fresh = torch.randn_like(x)
         x.copy_(fresh)
-        assert_close(g.replay(), torch.softmax(fresh, -1) * 2)
-    assert len(calls) == 2
+        out = g.replay()
+        assert out is g.output  # one output object, refreshed in place, as when captured
+        assert_close(out, torch.softmax(fresh, -1) * 2)
+    assert len(calls) == 3
     with pytest.raises(RuntimeError, match="graphed"):
         with bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph()):
             pass
