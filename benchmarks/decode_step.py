@@ -1,9 +1,13 @@
 """Decode-step latency of a Llama-style decoder whose attention is an eager break.
 
-Variants, side by side in one run at each batch size: eager; breakgraph;
-the same break structure as one torch.cuda.CUDAGraph per segment (the peers'
-way); and the lower bound, one monolithic torch.cuda.graph with the live
-length frozen at capture. Every variant is checked against eager on fresh
+Variants, side by side in one run at each batch size: eager; breakgraph
+(breakable: attention is an eager break); the same break structure as one
+torch.cuda.CUDAGraph per segment (the peers' way); the lower bound of the
+breakable way, one monolithic torch.cuda.graph with the live length frozen
+at capture; breakgraph's full mode for uniform decode (a GraphRunner key in
+mode "full": attention's capturable variant, which reads positions from the
+device, inside one graph); and the same work as one torch.cuda.graph, the
+full mode's lower bound. Every variant is checked against eager on fresh
 random inputs (outputs poisoned first) before it is timed. A step is timed
 as an engine runs it: the live length changes, the step is launched, and the
 host waits for the result (as it must to sample the next token).
@@ -34,12 +38,20 @@ from benchmarks.decoder import (
     assert_matches_eager,
     attention,
     attention_break,
+    attention_from_positions,
 )
 
 LIVE_LENGTHS = range(1008, 1024)  # tokens in the cache before the step; the step attends over one more
 FROZEN_LENGTH = 1015  # the lower bound's length, the live lengths' middle
 
-VARIANTS = ("eager", "breakgraph", "torch CUDAGraph per segment", "lower bound: monolithic graph, frozen length")
+VARIANTS = (
+    "eager",
+    "breakgraph",
+    "torch CUDAGraph per segment",
+    "lower bound: monolithic graph, frozen length",
+    "breakgraph full mode (runner, uniform decode)",
+    "monolithic graph, same work as full mode",
+)
 
 
 class Step:
@@ -69,6 +81,23 @@ class Step:
         with torch.cuda.graph(self.monolithic, stream=stream):
             self.out_monolithic = decoder.step(self.x, self.positions, self.frozen, attention)
 
+        # Full mode through the runner: uniform decode batches (every row at the same length).
+        self.full_meta = AttentionMetadata(LIVE_LENGTHS[0], positions=self.positions)
+        runner = bg.GraphRunner(
+            lambda x, positions: decoder.step(x, positions, self.full_meta, attention_break),
+            (self.x, self.positions),
+            capture_sizes=[batch],
+            modes="full",
+            progress=False,
+        ).capture()
+        self.full = runner.graphs[(None, batch)]
+        assert self.full.num_graphs == 1 and self.full.num_eager_breaks == 0
+        self.out_full = runner(self.x, self.positions)  # the static output the graph writes
+
+        self.masked = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.masked, stream=stream):
+            self.out_masked = decoder.step(self.x, self.positions, self.full_meta, attention_from_positions)
+
     def runs(self) -> dict:
         """Each variant's step: launch it and return its output."""
         return {
@@ -76,12 +105,14 @@ class Step:
             VARIANTS[1]: lambda: (self.graph.replay(), self.out_breakgraph)[1],
             VARIANTS[2]: lambda: (self.piecewise.replay(), self.out_piecewise)[1],
             VARIANTS[3]: lambda: (self.monolithic.replay(), self.out_monolithic)[1],
+            VARIANTS[4]: lambda: (self.full.replay(), self.out_full)[1],
+            VARIANTS[5]: lambda: (self.masked.replay(), self.out_masked)[1],
         }
 
     def check(self, trials: int = 2) -> dict:
         """Compare every variant with eager on fresh inputs; return each one's largest difference."""
         worst = dict.fromkeys(VARIANTS, 0.0)
-        outputs = (self.out_breakgraph, self.out_piecewise, self.out_monolithic)
+        outputs = (self.out_breakgraph, self.out_piecewise, self.out_monolithic, self.out_full, self.out_masked)
         for trial in range(trials):
             for name, run in self.runs().items():
                 if name == VARIANTS[0]:
@@ -106,6 +137,7 @@ class Step:
 
         def step():
             meta.length = next(lengths)
+            self.positions.fill_(meta.length)  # the device's copy, which full graphs read
             run()
             torch.cuda.synchronize()
 
@@ -190,7 +222,7 @@ def main(argv=None) -> int:
                     "max_abs_diff_vs_eager": round(worst[name], 4),
                 }
             )
-        ours = us[VARIANTS[1]]
+        ours, full = us[VARIANTS[1]], us[VARIANTS[4]]
         rows.append(
             {
                 "batch": batch,
@@ -198,7 +230,9 @@ def main(argv=None) -> int:
                 "step_ms": (
                     f"breakgraph/lower bound {ours / us[VARIANTS[3]]:.2f}x; "
                     f"torch-per-segment/breakgraph {us[VARIANTS[2]] / ours:.2f}x; "
-                    f"eager/breakgraph {us[VARIANTS[0]] / ours:.2f}x"
+                    f"eager/breakgraph {us[VARIANTS[0]] / ours:.2f}x; "
+                    f"full/same-work monolithic {full / us[VARIANTS[5]]:.3f}x; "
+                    f"torch-per-segment/full {us[VARIANTS[2]] / full:.2f}x"
                 ),
             }
         )

@@ -14,7 +14,10 @@ Ways to run a step, all on the same weights and cache:
   per segment, captured with ``capture_begin``/``capture_end`` and replayed in a
   Python loop (how vLLM, SGLang and Meta's library do it);
 - the lower bound: one ``torch.cuda.graph`` of the whole step with the live
-  length frozen at capture (the same kernels, no breaks).
+  length frozen at capture (the same kernels, no breaks);
+- full graphs: attention's capturable variant, which reads each row's
+  position from a device tensor, inside one graph (breakgraph's full mode,
+  and a ``torch.cuda.graph`` of the same work).
 """
 
 from __future__ import annotations
@@ -44,10 +47,13 @@ class DecoderConfig:
 
 
 class AttentionMetadata:
-    """What the engine updates in place before every step: tokens already in the cache."""
+    """What the engine updates in place before every step: tokens already in the cache
+    (``length``, on the host) and, for full graphs, each row's write slot on the device
+    (``positions``)."""
 
-    def __init__(self, length: int):
+    def __init__(self, length: int, positions: torch.Tensor | None = None):
         self.length = length
+        self.positions = positions
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -65,19 +71,52 @@ def attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tenso
     """Append this step's keys and values at ``meta.length``; attend over the live prefix.
 
     ``q`` [batch, heads, head_dim]; ``k``, ``v`` [batch, kv_heads, head_dim];
-    caches [batch, kv_heads, capacity, head_dim]. The prefix length is read
+    caches [batch, capacity, kv_heads, head_dim] (token-major, as flash
+    attention's variable-length kernels read them). The prefix length is read
     from the host object, so every step has new shapes.
     """
     length = meta.length
-    k_cache[:, :, length] = k
-    v_cache[:, :, length] = v
+    k_cache[:, length] = k
+    v_cache[:, length] = v
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k_cache[:, :, : length + 1], v_cache[:, :, : length + 1], enable_gqa=True
+        q.unsqueeze(2),
+        k_cache[:, : length + 1].transpose(1, 2),
+        v_cache[:, : length + 1].transpose(1, 2),
+        enable_gqa=True,
     )
     return out.reshape(q.shape[0], -1)
 
 
-attention_break = bg.eager_on_graph(attention)
+def attention_from_positions(q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    """:func:`attention`, capturable: each row's write slot and live length come from
+    ``meta.positions``, a device tensor, and flash attention's variable-length kernel
+    reads each row's live prefix of the cache (``seqused_k``), as vLLM's full-graph
+    decode attention does."""
+    batch, heads, head_dim = q.shape
+    capacity, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    positions = meta.positions[:batch]
+    rows = torch.arange(batch, device=q.device)
+    k_cache[rows, positions] = k
+    v_cache[rows, positions] = v
+    starts = torch.arange(batch + 1, device=q.device, dtype=torch.int32)
+    out = torch.ops.aten._flash_attention_forward(
+        q,
+        k_cache.view(batch * capacity, kv_heads, head_dim),
+        v_cache.view(batch * capacity, kv_heads, head_dim),
+        starts,
+        starts * capacity,
+        1,
+        capacity,
+        0.0,
+        False,
+        False,
+        seqused_k=(positions + 1).to(torch.int32),
+    )[0]
+    return out.reshape(batch, -1)
+
+
+# The break of breakable graphs; in full graphs (breaks="inline") its capturable variant.
+attention_break = bg.eager_on_graph(attention, inline=attention_from_positions)
 
 
 class Decoder:
@@ -103,7 +142,7 @@ class Decoder:
             for _ in range(c.layers)
         ]
         self.final_norm = torch.ones(c.hidden, device=device, dtype=c.dtype)
-        cache_shape = (max_batch, c.kv_heads, c.kv_capacity, c.head_dim)
+        cache_shape = (max_batch, c.kv_capacity, c.kv_heads, c.head_dim)
         self.k_cache = [torch.randn(cache_shape, device=device, generator=generator).to(c.dtype) for _ in range(c.layers)]
         self.v_cache = [torch.randn(cache_shape, device=device, generator=generator).to(c.dtype) for _ in range(c.layers)]
         inverse_frequency = 1.0 / (10000 ** (torch.arange(0, c.head_dim, 2, device=device).float() / c.head_dim))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from breakgraph_bindings import CaptureMode
-from breakgraph import recorder, runtime
+from breakgraph import runtime
 from breakgraph.dispatch import clearer_error
+from breakgraph.options import CaptureOptions
 from breakgraph.graph import BreakableCUDAGraph
 
 
@@ -29,6 +29,14 @@ class BreakableCUDAGraphCapture:
     per op at capture (for torch versions whose generators cannot be armed).
     ``"error"``: random ops fail the capture, and no generator is armed.
 
+    ``breaks="eager"`` (default) makes a breakable graph. ``breaks="inline"``
+    makes one full graph: each ``@eager_on_graph`` function records its
+    capturable variant (``inline=``) inside it, and a function without one
+    fails the capture with an error that says to use the breakable mode.
+    ``barrier_fn`` is called after a segment ends and before each break runs,
+    and once when the capture ends: tensor-parallel ranks stay in step at
+    every break during capture.
+
     Any exception inside the block ends the CUDA capture, discards what was
     captured, restores the stream, pool routing and hooks, and propagates.
     """
@@ -40,14 +48,14 @@ class BreakableCUDAGraphCapture:
         capture_error_mode: str = "global",
         random_ops: str = "graph",
         generators=(),
+        breaks: str = "eager",
+        barrier_fn=None,
     ):
         if not isinstance(graph, BreakableCUDAGraph):
             raise TypeError(f"expected a BreakableCUDAGraph, got {type(graph).__name__}")
         self.graph = graph
         self.stream = stream
-        self.capture_error_mode = CaptureMode.parse(capture_error_mode)
-        self.random_ops = recorder.parse_random_ops(random_ops)
-        self.generators = recorder.parse_generators(generators)
+        self.options = CaptureOptions.parse(capture_error_mode, random_ops, generators, breaks, barrier_fn)
         self._stream_context = None
 
     def __enter__(self) -> BreakableCUDAGraph:
@@ -60,7 +68,7 @@ class BreakableCUDAGraphCapture:
         stream_context = torch.cuda.stream(stream)
         stream_context.__enter__()
         try:
-            self.graph.capture_begin(self.capture_error_mode, self.random_ops, self.generators)
+            self.graph.capture_begin(**self.options.arguments())
         except BaseException:
             stream_context.__exit__(None, None, None)
             raise
@@ -80,7 +88,7 @@ class BreakableCUDAGraphCapture:
         if exc_type is None:
             self._caller_stream.wait_stream(capture_stream)
             return False
-        clearer = clearer_error(exc, self.random_ops)
+        clearer = clearer_error(exc, self.options.random_ops)
         if clearer is not None:
             raise clearer from exc
         return False

@@ -22,8 +22,19 @@ class ActiveCapture(Protocol):
     tracker: Any
     """The side-stream fork/join tracker of this capture (:class:`breakgraph.streams.ForkJoinTracker`)."""
 
-    def run_break(self, function: Callable, args: tuple, kwargs: dict, name: str | None = None) -> Any:
-        """End the open segment, run ``function`` eagerly and record it, begin the next segment."""
+    def run_break(
+        self,
+        function: Callable,
+        args: tuple,
+        kwargs: dict,
+        name: str | None = None,
+        *,
+        inline: Callable | bool | None = None,
+        stub: Callable | None = None,
+    ) -> Any:
+        """End the open segment, run ``function`` (or its ``stub``) eagerly and record it,
+        begin the next segment; in a full-graph capture, record ``inline`` (a capturable
+        variant, or True for ``function`` itself) inside the open segment instead."""
 
 
 _active: ContextVar[Optional[ActiveCapture]] = ContextVar("breakgraph_capture", default=None)

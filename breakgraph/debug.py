@@ -9,7 +9,7 @@ break outputs are checked for NaN and Inf.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -26,12 +26,13 @@ def describe(segment: Segment) -> str:
     return f"segment {segment.index} ({segment.kind}: {segment.name})"
 
 
-def checked(segments: Sequence[Segment], launchers: Sequence[Launcher], check_finite: bool) -> list[Launcher]:
-    """``launchers`` (one per segment), each wrapped with debug mode's checks."""
+def checked(segments: Sequence[Segment], launchers: Sequence[Launcher], check_finite: Callable[[], bool]) -> list[Launcher]:
+    """``launchers`` (one per segment), each wrapped with debug mode's checks; ``check_finite()``
+    says, at each replay, whether break outputs are checked for NaN and Inf too."""
     return [_checked(segment, launch, check_finite) for segment, launch in zip(segments, launchers)]
 
 
-def _checked(segment: Segment, launch: Launcher, check_finite: bool) -> Launcher:
+def _checked(segment: Segment, launch: Launcher, check_finite: Callable[[], bool]) -> Launcher:
     def run(stream) -> None:
         check_addresses(segment)
         try:
@@ -45,7 +46,7 @@ def _checked(segment: Segment, launch: Launcher, check_finite: bool) -> Launcher
             if "CUDA error" not in str(error):
                 raise
             raise SegmentError(f"{describe(segment)} failed: {error}") from error
-        if check_finite:
+        if check_finite():
             _check_finite(segment)
 
     return run

@@ -13,10 +13,12 @@ F = TypeVar("F", bound=Callable)
 @overload
 def eager_on_graph(function: F) -> F: ...
 @overload
-def eager_on_graph(*, enable: bool = True) -> Callable[[F], F]: ...
+def eager_on_graph(
+    *, enable: bool = True, inline: Callable | bool | None = None, capture_stub: Callable | None = None
+) -> Callable[[F], F]: ...
 
 
-def eager_on_graph(function=None, *, enable: bool = True):
+def eager_on_graph(function=None, *, enable: bool = True, inline=None, capture_stub=None):
     """Run ``function`` eagerly between CUDA graph segments.
 
     Inside a breakable capture a call ends the current segment, runs the
@@ -28,14 +30,32 @@ def eager_on_graph(function=None, *, enable: bool = True):
     Use it for what a CUDA graph cannot hold: host syncs, data-dependent
     shapes, JIT kernels, collectives, prints. ``enable=False`` returns the
     function unchanged (a switch for A/B runs).
+
+    ``inline``: what a full-graph capture (``breaks="inline"``) records in
+    place of the break: a capturable variant with the same signature (say,
+    attention that reads its lengths from a device tensor), or True when the
+    function itself can be captured. Without one, a full-graph capture
+    refuses the break, since it cannot tell whether the function reads host
+    values that a graph would freeze. ``@fn.inline`` registers the variant
+    after the fact.
+
+    ``capture_stub``: called instead of the function while a breakable
+    capture records it (a slow or collective body that capture need not
+    run); every replay calls the real function, and writeback checks that
+    its result has the stub's structure and shapes.
     """
     if function is None:
-        return functools.partial(eager_on_graph, enable=enable)
+        return functools.partial(eager_on_graph, enable=enable, inline=inline, capture_stub=capture_stub)
     if not callable(function):
         raise TypeError(
             f"@eager_on_graph decorates a function, got {type(function).__name__}; "
             "write @eager_on_graph or @eager_on_graph(enable=flag) above a def"
         )
+    for name, value in (("inline", inline), ("capture_stub", capture_stub)):
+        if value is not None and value is not True and not callable(value):
+            raise TypeError(f"eager_on_graph({name}=...) takes a function, got {type(value).__name__}")
+    if capture_stub is True:
+        raise TypeError("eager_on_graph(capture_stub=...) takes a function, got True")
     if not enable:
         return function
 
@@ -44,8 +64,17 @@ def eager_on_graph(function=None, *, enable: bool = True):
         capture = context.current()
         if capture is None or not capture.segment_open:
             return function(*args, **kwargs)
-        return capture.run_break(function, args, kwargs)
+        return capture.run_break(function, args, kwargs, inline=run.inline_variant, stub=capture_stub)
 
+    def register_inline(variant: F) -> F:
+        """Decorator: ``variant`` is what full-graph captures record in place of this break."""
+        if not callable(variant):
+            raise TypeError(f"@{function.__name__}.inline decorates a function, got {type(variant).__name__}")
+        run.inline_variant = variant
+        return variant
+
+    run.inline_variant = inline
+    run.inline = register_inline
     return run
 
 
@@ -56,8 +85,8 @@ def _split_point() -> None:
 def break_graph() -> None:
     """End the current graph segment and begin a new one, with no eager work between.
 
-    Outside a capture it does nothing.
+    Outside a capture, and in a full-graph capture, it does nothing.
     """
     capture = context.current()
     if capture is not None and capture.segment_open:
-        capture.run_break(_split_point, (), {}, name="break_graph")
+        capture.run_break(_split_point, (), {}, name="break_graph", inline=True)

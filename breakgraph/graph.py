@@ -14,9 +14,10 @@ from __future__ import annotations
 import torch
 
 import breakgraph_bindings as bindings
-from breakgraph_bindings import CaptureMode, CudaError
+from breakgraph_bindings import CudaError
 from breakgraph import context, debug as debug_mode, recorder, runtime
 from breakgraph.dispatch import clearer_error
+from breakgraph.options import CaptureOptions
 from breakgraph.pool import new_pool
 from breakgraph.segments import Segment
 
@@ -33,11 +34,13 @@ class BreakableCUDAGraph:
 
     def __init__(self, pool=None, debug: bool | None = None):
         self._pool = pool
+        self._plan: tuple | None = None
         self.debug = runtime.debug_requested(debug)
         self.check_finite = False
         self._segments: tuple[Segment, ...] = ()
         self._refill_generators = None
-        self._plan: tuple | None = None
+        self._before_replay = self._after_replay = None
+        self._first_segment = 0
         self._device = None
         self._recorder: recorder.Recorder | None = None
 
@@ -84,17 +87,21 @@ class BreakableCUDAGraph:
         return self._refill_generators is not None
 
     # -- capture ------------------------------------------------------------------------
-    def capture_begin(self, capture_error_mode: str = "global", random_ops: str = "graph", generators=()) -> None:
+    def capture_begin(
+        self,
+        capture_error_mode: str = "global",
+        random_ops: str = "graph",
+        generators=(),
+        breaks: str = "eager",
+        barrier_fn=None,
+    ) -> None:
         """Begin capturing on the current stream, which must not be the default stream.
 
         Prefer :class:`~breakgraph.BreakableCUDAGraphCapture`, which picks a
         side stream and calls this and :meth:`capture_end` (or
-        :meth:`capture_abort`) for you. ``capture_error_mode``,
-        ``random_ops`` and ``generators`` are as there.
+        :meth:`capture_abort`) for you; the arguments are as there.
         """
-        mode = CaptureMode.parse(capture_error_mode)
-        random_ops = recorder.parse_random_ops(random_ops)
-        generators = recorder.parse_generators(generators)
+        options = CaptureOptions.parse(capture_error_mode, random_ops, generators, breaks, barrier_fn)
         runtime.require_capture("BreakableCUDAGraph.capture_begin")
         if context.current() is not None:
             raise RuntimeError(
@@ -109,7 +116,7 @@ class BreakableCUDAGraph:
                 "cannot capture on the default CUDA stream; make a torch.cuda.Stream() current, or use "
                 "BreakableCUDAGraphCapture, which captures on breakgraph's side stream"
             )
-        self._recorder = recorder.start(self.pool, stream, mode, random_ops, generators, record_addresses=self.debug)
+        self._recorder = recorder.start(self.pool, stream, options, record_addresses=self.debug)
 
     def capture_end(self) -> None:
         """End the capture begun by :meth:`capture_begin`; the graph can be replayed now."""
@@ -117,15 +124,14 @@ class BreakableCUDAGraph:
         try:
             recording = active.finish()
         except BaseException as error:
-            clearer = clearer_error(error, active.random_ops)
+            clearer = clearer_error(error, active.options.random_ops)
             if clearer is not None:
                 raise clearer from error
             raise
         self._segments = recording.segments
         self._device = recording.device
         self._refill_generators = recording.refill_generators
-        refill = () if recording.refill_generators is None else (recording.refill_generators,)
-        self._plan = refill + tuple(segment.launcher() for segment in recording.segments)
+        self._build_plan()
 
     def capture_abort(self) -> None:
         """End the capture begun by :meth:`capture_begin` after a failure: the CUDA capture
@@ -138,21 +144,38 @@ class BreakableCUDAGraph:
             raise RuntimeError("this BreakableCUDAGraph is not capturing: call capture_begin() first")
         return self._recorder
 
+    def set_replay_hooks(self, before=None, after=None) -> None:
+        """Call ``before()`` ahead of every replay and ``after()`` once it is launched (an
+        engine syncing its weight offloader, or timing steps). None removes a hook; a hook
+        that is not set costs replay nothing: it is not in the replay plan."""
+        for hook in (before, after):
+            if hook is not None and not callable(hook):
+                raise TypeError(f"replay hooks must be callable, got {type(hook).__name__}")
+        self._before_replay, self._after_replay = before, after
+        if self.captured:
+            self._build_plan()
+
+    def _build_plan(self) -> None:
+        """The replay plan: one ``launch(stream)`` per step, with only the steps this graph needs."""
+        segment_steps = [segment.launcher() for segment in self._segments]
+        if self.debug:
+            segment_steps = debug_mode.checked(self._segments, segment_steps, lambda: self.check_finite)
+        steps = [_hook(self._before_replay), self._refill_generators, *segment_steps, _hook(self._after_replay)]
+        self._plan = tuple(step for step in steps if step is not None)
+        self._first_segment = self._plan.index(segment_steps[0]) if segment_steps else 0
+
     # -- replay -------------------------------------------------------------------------
     def replay(self) -> None:
         """Launch every segment and run every break, in capture order, on the current stream."""
         plan = self._plan
         if plan is None:
             raise RuntimeError("this BreakableCUDAGraph holds no capture: capture it with BreakableCUDAGraphCapture first")
-        if self.debug:
-            refill = plan[: len(plan) - len(self._segments)]
-            plan = refill + tuple(debug_mode.checked(self._segments, plan[len(refill) :], self.check_finite))
         stream = bindings.stream_handle(torch._C._cuda_getCurrentRawStream(self._device.index))
         with torch.no_grad():
             for launch in plan:
                 status = launch(stream)
                 if status is not None and status[0]:
-                    self._raise_launch_error(status[0], plan.index(launch) - (len(plan) - len(self._segments)))
+                    self._raise_launch_error(status[0], plan.index(launch) - self._first_segment)
 
     def _raise_launch_error(self, error, index: int) -> None:
         bindings.clear_last_error()
@@ -167,6 +190,18 @@ class BreakableCUDAGraph:
         self._segments = ()
         self._refill_generators = None
         self._plan = None
+        self._first_segment = 0
+
+    @property
+    def debug(self) -> bool:
+        """Replay checks argument addresses and synchronizes after every segment, naming the one that failed."""
+        return self._debug
+
+    @debug.setter
+    def debug(self, value: bool) -> None:
+        self._debug = bool(value)
+        if self.captured:
+            self._build_plan()
 
     def __del__(self) -> None:
         # The pool may be this graph's alone: never let it die inside another thread's capture.
@@ -176,3 +211,14 @@ class BreakableCUDAGraph:
 
     def __repr__(self) -> str:
         return f"BreakableCUDAGraph(num_graphs={self.num_graphs}, num_eager_breaks={self.num_eager_breaks})"
+
+
+def _hook(hook):
+    """A replay hook as a plan step (``launch(stream)``), or None when there is none."""
+    if hook is None:
+        return None
+
+    def call(_stream) -> None:
+        hook()
+
+    return call

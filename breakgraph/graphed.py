@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any, Callable
 
@@ -15,7 +16,7 @@ from breakgraph import runtime, trees
 from breakgraph.capture import BreakableCUDAGraphCapture
 from breakgraph.eager import eager_on_graph
 from breakgraph.graph import BreakableCUDAGraph
-from breakgraph.recorder import parse_generators, parse_random_ops
+from breakgraph.options import CaptureOptions
 from breakgraph.writeback import make_writer
 
 
@@ -41,6 +42,8 @@ class GraphedCallable:
         warmup: int = 1,
         random_ops: str = "graph",
         generators=(),
+        breaks: str = "eager",
+        barrier_fn=None,
         warn: bool = True,
     ):
         if not callable(fn):
@@ -49,8 +52,9 @@ class GraphedCallable:
             raise ValueError(f"warmup must be a number of eager runs >= 0, got {warmup!r}")
         self.fn, self.args, self.kwargs = fn, args, kwargs
         self.debug = runtime.debug_requested(debug)
-        self.random_ops = parse_random_ops(random_ops)
-        self.generators = parse_generators(generators)
+        self.options = CaptureOptions.parse(random_ops=random_ops, generators=generators, breaks=breaks, barrier_fn=barrier_fn)
+        if self.debug:  # the whole function is one eager break, whatever the breaks mode
+            self.options = dataclasses.replace(self.options, breaks="eager")
         self.output: Any = None
         self.graph: BreakableCUDAGraph | None = None
         self._write_eager_result = None
@@ -71,7 +75,7 @@ class GraphedCallable:
             runtime.run_on_stream(stream, lambda: fn(*args, **kwargs))
         # Debug mode: the whole function is one eager break, replayed through the same path.
         target = eager_on_graph(fn) if self.debug else fn
-        with BreakableCUDAGraphCapture(self.graph, stream=stream, random_ops=self.random_ops, generators=self.generators):
+        with BreakableCUDAGraphCapture(self.graph, stream=stream, **self.options.arguments()):
             self.output = target(*args, **kwargs)
 
     @property
@@ -110,6 +114,8 @@ def graphed(
     warmup: int = 1,
     random_ops: str = "graph",
     generators=(),
+    breaks: str = "eager",
+    barrier_fn=None,
     **static_kwargs,
 ) -> GraphedCallable:
     """Capture ``fn(*static_args, **static_kwargs)`` as a breakable graph.
@@ -118,9 +124,10 @@ def graphed(
     library initialisation must not happen inside a capture; pass 0 if it has
     side effects that must not repeat). ``debug`` (default ``BREAKGRAPH_DEBUG``)
     makes the whole function one eager break replayed through the same code
-    path, with debug checks. ``random_ops`` and ``generators`` are as for
-    :class:`BreakableCUDAGraphCapture`. Without a GPU, or with
-    ``BREAKGRAPH_DISABLE=1``, replay calls ``fn`` eagerly (one warning).
+    path, with debug checks. ``random_ops``, ``generators``, ``breaks`` and
+    ``barrier_fn`` are as for :class:`BreakableCUDAGraphCapture`. Without a
+    GPU, or with ``BREAKGRAPH_DISABLE=1``, replay calls ``fn`` eagerly (one
+    warning).
     """
     return GraphedCallable(
         fn,
@@ -131,4 +138,6 @@ def graphed(
         warmup=warmup,
         random_ops=random_ops,
         generators=generators,
+        breaks=breaks,
+        barrier_fn=barrier_fn,
     )

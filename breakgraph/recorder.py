@@ -11,41 +11,19 @@ what ``eager``, ``dispatch`` and ``streams`` see through
 from __future__ import annotations
 
 import contextlib
-import inspect
 import warnings
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 import breakgraph_bindings as bindings
-from breakgraph_bindings import CaptureMode, CudaError
-from breakgraph import context, rng, runtime, streams, trees
-from breakgraph.aliasing import alias_leaves, alias_result
-from breakgraph.dispatch import CaptureDispatchMode
-from breakgraph.segments import EagerSegment, GraphSegment, Launcher, Segment
-from breakgraph.writeback import make_writer
-
-RANDOM_OPS = ("graph", "break", "error")
-
-
-def parse_random_ops(random_ops: str) -> str:
-    """Check ``random_ops``: "graph" (captured into segments), "break" (each random op an
-    eager break, through the op watch) or "error" (refused)."""
-    if random_ops not in RANDOM_OPS:
-        raise ValueError(f"random_ops must be 'graph', 'break' or 'error', got {random_ops!r}")
-    return random_ops
-
-
-def parse_generators(generators) -> tuple[torch.Generator, ...]:
-    """Check ``generators``: CUDA ``torch.Generator``s a capture arms beside the default one."""
-    generators = tuple(generators or ())
-    for gen in generators:
-        if not isinstance(gen, torch.Generator) or gen.device.type != "cuda":
-            raise TypeError(f"generators must be CUDA torch.Generator objects, got {gen!r}")
-    return generators
-
+from breakgraph_bindings import CudaError
+from breakgraph import context, rng, runtime, streams
+from breakgraph.breaks import record_break
+from breakgraph.dispatch import CaptureDispatchMode, UncapturableOpError, is_capture_violation
+from breakgraph.options import CaptureOptions
+from breakgraph.segments import GraphSegment, Launcher, Segment
 
 _warned_uncooperative = False
 
@@ -74,10 +52,12 @@ class Recording:
 class Recorder:
     """The state of one active capture (one thread, one capture stream)."""
 
-    def __init__(self, stream: torch.cuda.Stream, mode: CaptureMode, random_ops: str, record_addresses: bool):
+    def __init__(self, stream: torch.cuda.Stream, options: CaptureOptions, record_addresses: bool):
         self.stream = stream
-        self.mode = mode
-        self.random_ops = random_ops
+        self.options = options
+        self.mode = options.capture_error_mode
+        self.inline = options.breaks == "inline"
+        self.barrier = options.barrier_fn
         self.record_addresses = record_addresses
         self.random: rng.ArmedGenerators | None = None
         self.segments: list[Segment] = []
@@ -115,37 +95,45 @@ class Recorder:
         self.segments.append(GraphSegment(len(self.segments), name, graph, executable, num_nodes, side_streams))
 
     # -- breaks ------------------------------------------------------------------------
-    def run_break(self, function: Callable, args: tuple, kwargs: dict, name: str | None = None) -> Any:
-        """End the segment, run ``function`` eagerly and record it, begin the next segment."""
+    def run_break(
+        self,
+        function: Callable,
+        args: tuple,
+        kwargs: dict,
+        name: str | None = None,
+        *,
+        inline: Callable | bool | None = None,
+        stub: Callable | None = None,
+    ) -> Any:
+        """End the segment, run ``function`` (its ``stub`` if it has one) eagerly and record
+        it, begin the next segment. In a full-graph capture, record ``inline`` in the open
+        segment instead."""
         name = name or _function_name(function)
+        if self.inline:
+            return self._run_inline(name, function, inline, args, kwargs)
         self.end_segment(following=f"{name}()")
-        result = function(*args, **kwargs)
-        self.segments.append(self._record_break(name, function, args, kwargs, result))
+        if self.barrier is not None:
+            self.barrier()
+        result = (stub or function)(*args, **kwargs)
+        self.segments.append(record_break(len(self.segments), name, function, args, kwargs, result, self.record_addresses))
         self._previous = f"{name}()"
         self.begin_segment()
         return result
 
-    def _record_break(self, name: str, function: Callable, args: tuple, kwargs: dict, result) -> EagerSegment:
-        has_arguments = bool(args or kwargs)
-        arg_leaves, arg_spec = trees.flatten((args, kwargs), objects=False) if has_arguments else ([], None)
-        if result is None:
-            kept, write = None, make_writer(name, None, None)
-        else:
-            flat = trees.take_apart(result, objects=True)
-            reject_autograd_history(name, flat, arg_leaves)
-            kept, kept_flat = alias_result(result, flat)
-            write = make_writer(name, kept, kept_flat)
-        replay_args, replay_kwargs = trees.unflatten(arg_spec, alias_leaves(arg_leaves)) if has_arguments else ((), {})
-        return EagerSegment(
-            len(self.segments),
-            name,
-            _with_capture_autocast(function),
-            replay_args,
-            replay_kwargs,
-            kept,
-            write,
-            _argument_addresses(function, args, kwargs) if self.record_addresses else (),
-        )
+    def _run_inline(self, name: str, function: Callable, inline, args: tuple, kwargs: dict) -> Any:
+        fix = "capture with breaks='eager' (the breakable mode) for this key"
+        if inline is None:
+            raise UncapturableOpError(
+                f"{name}() has no capturable variant, so a full-graph capture (breaks='inline') cannot record "
+                f"it: breakgraph cannot tell whether it reads host values a graph would freeze. Give it one "
+                f"(@{name}.inline, or @eager_on_graph(inline=True) if it is capturable as it is), or {fix}."
+            )
+        try:
+            return (function if inline is True else inline)(*args, **kwargs)
+        except RuntimeError as error:
+            if not is_capture_violation(error):
+                raise
+            raise UncapturableOpError(f"{name}() cannot be captured inline ({error}); {fix}.") from error
 
     # -- the whole capture -----------------------------------------------------------------
     def finish(self) -> Recording:
@@ -153,6 +141,8 @@ class Recorder:
         try:
             drawn = self.random is not None and self.random.drawn()  # asked while the last segment records
             self.end_segment(following="end")
+            if self.barrier is not None:
+                self.barrier()
             random, self.random = self.random, None
             refill = random.disarm(keep=drawn) if random is not None else None
         except BaseException:
@@ -182,20 +172,14 @@ class Recorder:
         self._scope.close()
 
 
-def start(
-    pool,
-    stream: torch.cuda.Stream,
-    mode: CaptureMode,
-    random_ops: str,
-    generators: tuple[torch.Generator, ...],
-    record_addresses: bool,
-) -> Recorder:
+def start(pool, stream: torch.cuda.Stream, options: CaptureOptions, record_addresses: bool) -> Recorder:
     """Open a capture on ``stream`` (already the current stream) into ``pool``: arm the
     generators, route allocations to the pool, pause the cycle collector, hook
     ``wait_stream``, make the recorder this thread's active capture, and begin the
     first segment."""
-    recorder = Recorder(stream, mode, random_ops, record_addresses)
+    recorder = Recorder(stream, options, record_addresses)
     scope = recorder._scope
+    random_ops = options.random_ops
     watch, refuse_random = random_ops == "break", None
     try:
         # Outermost, so it is released last: a MemPool that a collection frees while
@@ -207,7 +191,7 @@ def start(
                 watch = True
             else:
                 try:  # before pool routing: torch keeps the generators' device state outside our pool
-                    recorder.random = rng.ArmedGenerators(stream.device, generators)
+                    recorder.random = rng.ArmedGenerators(stream.device, options.generators)
                 except rng.GeneratorBusy as busy:
                     watch, refuse_random = True, str(busy)
         scope.enter_context(torch.cuda.use_mem_pool(pool, stream.device))
@@ -227,51 +211,3 @@ def start(
 
 def _function_name(function: Callable) -> str:
     return getattr(function, "__qualname__", None) or getattr(function, "__name__", None) or repr(function)
-
-
-def _with_capture_autocast(function: Callable) -> Callable:
-    """Replay ``function`` under the CUDA autocast state it was captured under."""
-    if not torch.is_autocast_enabled("cuda"):
-        return function
-    dtype = torch.get_autocast_dtype("cuda")
-
-    def under_autocast(*args, **kwargs):
-        with torch.autocast("cuda", dtype=dtype):
-            return function(*args, **kwargs)
-
-    return under_autocast
-
-
-def reject_autograd_history(name: str, result: trees.Flat, argument_leaves: list) -> None:
-    """Refuse a break whose result carries autograd history made inside it.
-
-    Its backward would read intermediates saved at capture time, which
-    replay does not refresh. Inputs passed straight through are fine.
-    """
-    inputs = None
-    for path, tensor in result.tensors_with_paths("out"):
-        if tensor.grad_fn is None:
-            continue
-        if inputs is None:
-            inputs = {id(leaf) for leaf in argument_leaves}
-        if id(tensor) not in inputs:
-            raise RuntimeError(
-                f"{name}() -> {path} requires grad: a break's backward would read tensors saved at "
-                "capture time, which replay does not refresh. Put the break inside a "
-                "torch.autograd.Function whose forward and backward each call an "
-                "@eager_on_graph function (see the README, 'Training')."
-            )
-
-
-def _argument_addresses(function: Callable, args: tuple, kwargs: dict) -> tuple:
-    """(path, weak reference, data pointer) of every tensor argument, named as the
-    function names them (``x``, ``parts['a']``), for debug mode's moved-input check."""
-    try:
-        bound = inspect.signature(function).bind(*args, **kwargs).arguments
-    except (TypeError, ValueError):
-        bound = {f"args[{i}]": value for i, value in enumerate(args)} | dict(kwargs)
-    return tuple(
-        (path, weakref.ref(tensor), tensor.data_ptr())
-        for key, value in bound.items()
-        for path, tensor in trees.take_apart(value, objects=False).tensors_with_paths(str(key))
-    )

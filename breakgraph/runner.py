@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import warnings
@@ -16,7 +17,7 @@ from breakgraph.graph import BreakableCUDAGraph
 from breakgraph.graphed import GraphedCallable
 from breakgraph.pool import new_pool, pool_bytes
 from breakgraph.dispatch import UncapturableOpError, is_capture_violation
-from breakgraph.recorder import parse_generators, parse_random_ops
+from breakgraph.options import CaptureOptions
 from breakgraph.sizes import choose_size, default_capture_sizes, validate_capture_sizes
 
 log = logging.getLogger("breakgraph.runner")
@@ -46,8 +47,17 @@ class GraphRunner:
     fails (a CUDA call that capture forbids) is warmed up once and captured
     again. An int runs ``fn`` that many times before every size's capture.
     ``lazy=True`` captures nothing up front: each (key, size) is captured
-    the first time a batch needs it. ``random_ops`` and ``generators`` are as
-    for :class:`BreakableCUDAGraphCapture`.
+    the first time a batch needs it.
+
+    ``modes`` gives each key its graph mode, as vLLM's ``CUDAGraphMode``
+    does (one mode for all keys, or a dict): "breakable" (default; breaks
+    run eagerly between segments, vLLM's PIECEWISE), "full" (one graph per
+    size, each break recording its capturable variant, vLLM's FULL) or
+    "none" (no graphs: such batches run eagerly). Uniform decode batches to
+    "full" and mixed batches to "breakable" is vLLM's FULL_AND_PIECEWISE.
+    ``random_ops``, ``generators`` and ``barrier_fn`` are as for
+    :class:`BreakableCUDAGraphCapture`; ``before_replay`` and
+    ``after_replay`` are called around every replay (not around eager runs).
     """
 
     def __init__(
@@ -64,8 +74,12 @@ class GraphRunner:
         lazy: bool = False,
         progress: bool = True,
         debug: bool | None = None,
+        modes: str | dict[Hashable, str] = "breakable",
         random_ops: str = "graph",
         generators=(),
+        barrier_fn=None,
+        before_replay=None,
+        after_replay=None,
     ):
         if not callable(fn):
             raise TypeError(f"GraphRunner needs a callable to capture, got {type(fn).__name__}")
@@ -82,7 +96,11 @@ class GraphRunner:
             capture_sizes = {key: capture_sizes for key in self.keys}
         if set(capture_sizes) != set(self.keys):
             raise ValueError(f"capture_sizes has keys {list(capture_sizes)}, expected {self.keys}")
-        self.sizes_by_key = {key: validate_capture_sizes(capture_sizes[key], self.max_size) for key in self.keys}
+        self.modes = _parse_modes(modes, self.keys)
+        self.sizes_by_key = {
+            key: validate_capture_sizes(capture_sizes[key], self.max_size) if self.modes[key] != "none" else []
+            for key in self.keys
+        }
         if warmup != "auto" and (isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0):
             raise ValueError(f"warmup must be 'auto' or a number of eager runs >= 0, got {warmup!r}")
         self.key_fn = key_fn
@@ -92,8 +110,11 @@ class GraphRunner:
         self.lazy = lazy
         self.progress = progress
         self.debug = runtime.debug_requested(debug)
-        self.random_ops = parse_random_ops(random_ops)
-        self.generators = parse_generators(generators)
+        self.options = CaptureOptions.parse(random_ops=random_ops, generators=generators, barrier_fn=barrier_fn)
+        for hook in (before_replay, after_replay):
+            if hook is not None and not callable(hook):
+                raise TypeError(f"before_replay and after_replay must be callable, got {type(hook).__name__}")
+        self.replay_hooks = {"before": before_replay, "after": after_replay}
         self.pool = None
         self._graphed: dict[tuple[Hashable, int], GraphedCallable] = {}
         self._capture_seconds: dict[tuple[Hashable, int], float] = {}
@@ -155,17 +176,14 @@ class GraphRunner:
 
     def _graphed_at(self, key: Hashable, size: int, warmup: int) -> GraphedCallable:
         args, kwargs = self.inputs.arguments(self.inputs.views(size), {} if key is None else {"key": key})
-        return GraphedCallable(
-            self.fn,
-            args,
-            kwargs,
-            debug=self.debug,
-            pool=self.pool,
-            warmup=warmup,
-            random_ops=self.random_ops,
-            generators=self.generators,
-            warn=False,
+        breaks = "inline" if self.modes[key] == "full" else "eager"
+        options = dataclasses.replace(self.options, breaks=breaks).arguments()
+        del options["capture_error_mode"]
+        graphed = GraphedCallable(
+            self.fn, args, kwargs, debug=self.debug, pool=self.pool, warmup=warmup, warn=False, **options
         )
+        graphed.graph.set_replay_hooks(**self.replay_hooks)
+        return graphed
 
     # -- dispatch ------------------------------------------------------------------------
     def select(self, n: int, candidates: Sequence[Hashable] = (None,)) -> tuple[Hashable, int] | None:
@@ -216,6 +234,7 @@ class GraphRunner:
         rows = [
             {
                 "key": "" if key is None else key,
+                "mode": self.modes[key],
                 "size": size,
                 "graphs": graphed.graph.num_graphs,
                 "eager_breaks": graphed.graph.num_eager_breaks,
@@ -233,7 +252,22 @@ class GraphRunner:
             if self.eager_reason is not None:
                 print(f"GraphRunner: eager ({self.eager_reason})")
             else:
-                columns = ["key", "size", "graphs", "eager_breaks", "capture_ms", "warmed_up"]
+                columns = ["key", "mode", "size", "graphs", "eager_breaks", "capture_ms", "warmed_up"]
                 print(format_table(rows, columns + (["first_use_ms"] if self._first_use_seconds else [])))
                 print(f"{len(rows)} graphs captured, pool holds {total_bytes / 2**20:.1f} MiB")
         return report
+
+
+MODES = ("breakable", "full", "none")
+
+
+def _parse_modes(modes, keys: list) -> dict:
+    """Each key's graph mode, from one mode for all or a dict with every key."""
+    if isinstance(modes, str):
+        modes = dict.fromkeys(keys, modes)
+    if not isinstance(modes, dict) or set(modes) != set(keys):
+        raise ValueError(f"modes must be one of {MODES} or a dict giving each of the keys {keys} one, got {modes!r}")
+    for key, mode in modes.items():
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r} of key {key!r} is not one of {MODES}")
+    return dict(modes)

@@ -41,3 +41,10 @@ def test_disable_env_refuses_context(monkeypatch):
         with bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph()):
             pass
     assert not bg.is_capturing()
+
+
+def test_ending_or_aborting_a_capture_that_never_began_says_so():
+    graph = bg.BreakableCUDAGraph()
+    for step in (graph.capture_end, graph.capture_abort):
+        with pytest.raises(RuntimeError, match="not capturing: call capture_begin"):
+            step()

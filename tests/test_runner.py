@@ -75,3 +75,14 @@ def test_wrong_inputs_are_named_not_crashed():
 def test_graph_pool_without_a_gpu_says_so():
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         bg.BreakableCUDAGraph().pool
+
+
+def test_runner_modes_are_checked():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match="not one of"):
+            bg.GraphRunner(lambda x: x, torch.zeros(4, 2), modes="fast")
+        with pytest.raises(ValueError, match="each of the keys"):
+            bg.GraphRunner(lambda x, key: x, torch.zeros(4, 2), keys=["a", "b"], key_fn=lambda x: ["a"], modes={"a": "full"})
+        runner = bg.GraphRunner(lambda x, key: x, torch.zeros(4, 2), keys=["a", "b"], key_fn=lambda x: ["a", "b"], modes={"a": "none", "b": "full"})
+    assert runner.select(2, ["a", "b"]) == ("b", 2)  # a key with mode "none" has no graphs

@@ -158,3 +158,45 @@ def test_lazy_runner_captures_each_size_on_first_use():
     again = torch.randn(4, 8, 64, device=DEV)
     assert_close(runner(again), model(again), 1e-4, 1e-4)
     assert list(runner.graphs) == [(None, 4)]
+
+
+@torch.no_grad()
+def test_modes_route_uniform_batches_to_full_graphs_and_mixed_ones_to_breakable_graphs():
+    ran_eagerly = []
+
+    @bg.eager_on_graph
+    def scale_rows(x, lengths):
+        ran_eagerly.append(x.shape[0])
+        return x * lengths.max().item()  # a host read: only a break can do it
+
+    @scale_rows.inline
+    def scale_rows_on_device(x, lengths):
+        return x * lengths.max()
+
+    def fn(x, lengths, key):
+        return scale_rows(torch.tanh(x), lengths) + 1
+
+    static = (torch.zeros(8, 4, device=DEV), torch.zeros(8, device=DEV))
+    replays = []
+    runner = bg.GraphRunner(
+        fn,
+        static,
+        capture_sizes=[2, 4, 8],
+        keys=["uniform", "mixed"],
+        key_fn=lambda x, lengths: ["uniform", "mixed"] if bool((lengths == lengths[0]).all()) else ["mixed"],
+        modes={"uniform": "full", "mixed": "breakable"},
+        after_replay=lambda: replays.append(1),
+        progress=False,
+    ).capture()
+    graphs = runner.graphs
+    assert all(graphs[("uniform", s)].num_eager_breaks == 0 and graphs[("uniform", s)].num_graphs == 1 for s in (2, 4, 8))
+    assert all(graphs[("mixed", s)].num_eager_breaks == 1 for s in (2, 4, 8))
+    assert {row["key"]: row["mode"] for row in runner.report(print_table=False)["rows"]} == {"mixed": "breakable", "uniform": "full"}
+    ran_eagerly.clear()
+    for n, lengths, breaks_ran in [(3, [5.0] * 3, False), (3, [5.0, 2.0, 7.0], True), (8, [1.0] * 8, False), (6, [3.0, 1.0] * 3, True)]:
+        x, lengths = torch.randn(n, 4, device=DEV), torch.tensor(lengths, device=DEV)
+        before = len(ran_eagerly)
+        assert_close(runner(x, lengths), torch.tanh(x) * lengths.max() + 1)
+        assert (len(ran_eagerly) > before) == breaks_ran  # mixed batches take the breakable graphs
+    assert len(replays) == 4
+
