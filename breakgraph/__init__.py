@@ -6,6 +6,7 @@ while the rest keeps the launch-overhead savings of graphs.
 """
 
 from breakgraph_bindings import CudaError
+from breakgraph.breaks import LifetimeWarning
 from breakgraph.capture import BreakableCUDAGraphCapture
 from breakgraph.context import is_capturing
 from breakgraph.debug import SegmentError
@@ -26,6 +27,7 @@ __all__ = [
     "CudaError",
     "GraphRunner",
     "GraphedCallable",
+    "LifetimeWarning",
     "SegmentError",
     "StreamJoinError",
     "UncapturableOpError",

@@ -3,37 +3,69 @@
 Arguments are kept as non-owning aliases (containers walked, objects kept by
 reference), the result as aliases when it is only CUDA tensors, plus the
 writer that puts every replay's result where later segments read it. A
-result with autograd history made inside the break is refused, and the
-autocast state it ran under is kept for replay.
+backward that reaches autograd history made inside the break is refused,
+and the autocast state it ran under is kept for replay.
 """
 
 from __future__ import annotations
 
 import inspect
+import warnings
 import weakref
 from typing import Callable
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from breakgraph import trees
 from breakgraph.aliasing import alias_leaves, alias_result
+from breakgraph.pool import holds
 from breakgraph.segments import EagerSegment
 from breakgraph.writeback import make_writer
 
 
-def record_break(
-    index: int, name: str, function: Callable, args: tuple, kwargs: dict, result, record_addresses: bool
-) -> EagerSegment:
+class LifetimeWarning(UserWarning):
+    """Debug mode: a break keeps tensors, made during capture, that its result does not hold."""
+
+
+def warn_kept_allocations(name: str, before: dict[int, int], after: dict[int, int], held) -> None:
+    """Warn when the pool blocks a break allocated during capture outlive it outside ``held``
+    (its result, and the tensors autograd saved for a backward it will refuse anyway).
+
+    ``before`` and ``after``: the pool's allocated blocks around the break's
+    call. Such a tensor (stored in a global or an attribute) is read by later
+    graph segments at its capture-time address, while every replay of the
+    break makes a new one elsewhere: those segments then read stale memory.
+    """
+    pointers = [leaf.untyped_storage().data_ptr() for leaf in trees.flatten(held, objects=True)[0] if isinstance(leaf, torch.Tensor)]
+    kept = {
+        address: size
+        for address, size in after.items()
+        if address not in before and not any(address <= pointer < address + size for pointer in pointers)
+    }
+    if kept:
+        warnings.warn(
+            f"{name}() kept {len(kept)} tensor(s) ({sum(kept.values())} bytes) that it allocated during capture "
+            "outside its result (in a global or an attribute?). Graph segments that read them keep reading "
+            "these capture-time addresses, while every replay of the break makes new ones: return them from "
+            "the break instead.",
+            LifetimeWarning,
+            stacklevel=2,
+        )
+
+
+def record_break(index: int, name: str, function: Callable, args: tuple, kwargs: dict, result, pool) -> EagerSegment:
     """The eager segment that replays ``function(*args, **kwargs)``, which returned ``result`` at
     capture: arguments and result kept as non-owning aliases where they are CUDA tensors, and
-    the writer that puts each replay's result where later segments read it."""
+    the writer that puts each replay's result where later segments read it. With ``pool``
+    (debug mode), the arguments' addresses are recorded for the checks at replay."""
     has_arguments = bool(args or kwargs)
     arg_leaves, arg_spec = trees.flatten((args, kwargs), objects=False) if has_arguments else ([], None)
     if result is None:
         kept, write = None, make_writer(name, None, None)
     else:
         flat = trees.take_apart(result, objects=True)
-        reject_autograd_history(name, flat, arg_leaves)
+        guard_backward(name, flat, arg_leaves)
         kept, kept_flat = alias_result(result, flat)
         write = make_writer(name, kept, kept_flat)
     replay_args, replay_kwargs = trees.unflatten(arg_spec, alias_leaves(arg_leaves)) if has_arguments else ((), {})
@@ -45,7 +77,7 @@ def record_break(
         replay_kwargs,
         kept,
         write,
-        argument_addresses(function, args, kwargs) if record_addresses else (),
+        argument_addresses(function, args, kwargs, pool) if pool is not None else (),
     )
 
 
@@ -62,11 +94,14 @@ def with_capture_autocast(function: Callable) -> Callable:
     return under_autocast
 
 
-def reject_autograd_history(name: str, result: trees.Flat, argument_leaves: list) -> None:
-    """Refuse a break whose result carries autograd history made inside it.
+def guard_backward(name: str, result: trees.Flat, argument_leaves: list) -> None:
+    """Let a break's result carry autograd history made inside it, and refuse the backward
+    that reaches it.
 
-    Its backward would read intermediates saved at capture time, which
-    replay does not refresh. Inputs passed straight through are fine.
+    Inference with grad-requiring parameters needs nothing more. A backward
+    through the break would read intermediates saved at capture time, which
+    replay does not refresh, so it fails there with the fix. Inputs passed
+    straight through are not the break's history.
     """
     inputs = None
     for path, tensor in result.tensors_with_paths("out"):
@@ -75,23 +110,31 @@ def reject_autograd_history(name: str, result: trees.Flat, argument_leaves: list
         if inputs is None:
             inputs = {id(leaf) for leaf in argument_leaves}
         if id(tensor) not in inputs:
-            raise RuntimeError(
-                f"{name}() -> {path} requires grad: a break's backward would read tensors saved at "
-                "capture time, which replay does not refresh. Put the break inside a "
-                "torch.autograd.Function whose forward and backward each call an "
-                "@eager_on_graph function (see the README, 'Training')."
-            )
+            tensor.register_hook(_refuse_backward(name, path))
 
 
-def argument_addresses(function: Callable, args: tuple, kwargs: dict) -> tuple:
-    """(path, weak reference, data pointer) of every tensor argument, named as the
-    function names them (``x``, ``parts['a']``), for debug mode's moved-input check."""
+def _refuse_backward(name: str, path: str) -> Callable:
+    def refuse(_grad):
+        raise RuntimeError(
+            f"backward reached {name}() -> {path}, the result of an eager break: its backward would "
+            "read tensors saved at capture time, which replay does not refresh. Put the break inside a "
+            "torch.autograd.Function whose forward and backward each call an @eager_on_graph function "
+            "(see the README, 'Training')."
+        )
+
+    return refuse
+
+
+def argument_addresses(function: Callable, args: tuple, kwargs: dict, pool) -> tuple:
+    """For every tensor argument: its path, named as the function names it (``x``,
+    ``parts['a']``), weak references to it and its storage, its data pointer, and whether
+    ``pool`` holds it; debug mode checks at replay that none was moved or freed."""
     try:
         bound = inspect.signature(function).bind(*args, **kwargs).arguments
     except (TypeError, ValueError):
         bound = {f"args[{i}]": value for i, value in enumerate(args)} | dict(kwargs)
     return tuple(
-        (path, weakref.ref(tensor), tensor.data_ptr())
+        (path, weakref.ref(tensor), StorageWeakRef(tensor.untyped_storage()), tensor.data_ptr(), holds(pool, tensor.data_ptr()))
         for key, value in bound.items()
         for path, tensor in trees.take_apart(value, objects=False).tensors_with_paths(str(key))
     )

@@ -27,14 +27,19 @@ def describe(segment: Segment) -> str:
 
 
 def checked(segments: Sequence[Segment], launchers: Sequence[Launcher], check_finite: Callable[[], bool]) -> list[Launcher]:
-    """``launchers`` (one per segment), each wrapped with debug mode's checks; ``check_finite()``
+    """``launchers`` (one per segment), each wrapped with debug mode's checks, behind a first
+    step that checks every break's arguments before anything is launched; ``check_finite()``
     says, at each replay, whether break outputs are checked for NaN and Inf too."""
-    return [_checked(segment, launch, check_finite) for segment, launch in zip(segments, launchers)]
+
+    def check_every_argument(_stream) -> None:
+        for segment in segments:
+            check_addresses(segment)
+
+    return [check_every_argument] + [_checked(segment, launch, check_finite) for segment, launch in zip(segments, launchers)]
 
 
 def _checked(segment: Segment, launch: Launcher, check_finite: Callable[[], bool]) -> Launcher:
     def run(stream) -> None:
-        check_addresses(segment)
         try:
             status = launch(stream)
             if status is not None and status[0]:
@@ -53,14 +58,20 @@ def _checked(segment: Segment, launch: Launcher, check_finite: Callable[[], bool
 
 
 def check_addresses(segment: Segment) -> None:
-    """Raise if a tensor the segment was captured with has moved (or been rebound)."""
-    for path, ref, address in segment.argument_addresses:
-        tensor = ref()
+    """Raise if a tensor the segment was captured with has moved (been rebound) or been freed:
+    the graph still reads the capture-time address."""
+    for path, tensor_ref, storage_ref, address, in_pool in segment.argument_addresses:
+        tensor = tensor_ref()
         if tensor is not None and tensor.data_ptr() != address:
             raise SegmentError(
                 f"{segment.name}() argument {path}: address {address:#x} at capture, "
                 f"{tensor.data_ptr():#x} at replay. The graph still reads the old address; "
                 "copy new values into the captured tensor (x.copy_(new)) instead of rebinding it"
+            )
+        if storage_ref.expired() and not in_pool:  # the graph's pool keeps its own blocks reserved
+            raise SegmentError(
+                f"{segment.name}() argument {path}: its memory ({address:#x}) was freed since capture, and the "
+                "graph still reads it. Keep the tensors a graph was captured with alive as long as the graph"
             )
 
 

@@ -50,3 +50,19 @@ class CaptureOptions:
     def arguments(self) -> dict:
         """These options as keyword arguments of a capture."""
         return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+
+
+MODES = ("breakable", "full", "none")
+"""A runner key's graph mode: breaks eager between segments, breaks inline in one full graph, or no graphs."""
+
+
+def parse_modes(modes, keys: list) -> dict:
+    """Each key's graph mode, from one mode for all or a dict with every key."""
+    if isinstance(modes, str):
+        modes = dict.fromkeys(keys, modes)
+    if not isinstance(modes, dict) or set(modes) != set(keys):
+        raise ValueError(f"modes must be one of {MODES} or a dict giving each of the keys {keys} one, got {modes!r}")
+    for key, mode in modes.items():
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r} of key {key!r} is not one of {MODES}")
+    return dict(modes)

@@ -20,9 +20,10 @@ import torch
 import breakgraph_bindings as bindings
 from breakgraph_bindings import CudaError
 from breakgraph import context, rng, runtime, streams
-from breakgraph.breaks import record_break
+from breakgraph.breaks import record_break, warn_kept_allocations
 from breakgraph.dispatch import CaptureDispatchMode, UncapturableOpError, is_capture_violation
 from breakgraph.options import CaptureOptions
+from breakgraph.pool import allocated_blocks
 from breakgraph.segments import GraphSegment, Launcher, Segment
 
 _warned_uncooperative = False
@@ -52,7 +53,8 @@ class Recording:
 class Recorder:
     """The state of one active capture (one thread, one capture stream)."""
 
-    def __init__(self, stream: torch.cuda.Stream, options: CaptureOptions, record_addresses: bool):
+    def __init__(self, pool, stream: torch.cuda.Stream, options: CaptureOptions, record_addresses: bool):
+        self.pool = pool
         self.stream = stream
         self.options = options
         self.mode = options.capture_error_mode
@@ -114,8 +116,14 @@ class Recorder:
         self.end_segment(following=f"{name}()")
         if self.barrier is not None:
             self.barrier()
-        result = (stub or function)(*args, **kwargs)
-        self.segments.append(record_break(len(self.segments), name, function, args, kwargs, result, self.record_addresses))
+        if self.record_addresses:  # debug mode also watches what the break allocates
+            before, saved = allocated_blocks(self.pool), []
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+                result = (stub or function)(*args, **kwargs)
+            warn_kept_allocations(name, before, allocated_blocks(self.pool), (result, saved))
+        else:
+            result = (stub or function)(*args, **kwargs)
+        self.segments.append(record_break(len(self.segments), name, function, args, kwargs, result, self.pool if self.record_addresses else None))
         self._previous = f"{name}()"
         self.begin_segment()
         return result
@@ -177,7 +185,7 @@ def start(pool, stream: torch.cuda.Stream, options: CaptureOptions, record_addre
     generators, route allocations to the pool, pause the cycle collector, hook
     ``wait_stream``, make the recorder this thread's active capture, and begin the
     first segment."""
-    recorder = Recorder(stream, options, record_addresses)
+    recorder = Recorder(pool, stream, options, record_addresses)
     scope = recorder._scope
     random_ops = options.random_ops
     watch, refuse_random = random_ops == "break", None

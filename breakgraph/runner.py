@@ -17,7 +17,7 @@ from breakgraph.graph import BreakableCUDAGraph
 from breakgraph.graphed import GraphedCallable
 from breakgraph.pool import new_pool, pool_bytes
 from breakgraph.dispatch import UncapturableOpError, is_capture_violation
-from breakgraph.options import CaptureOptions
+from breakgraph.options import CaptureOptions, parse_modes
 from breakgraph.sizes import choose_size, default_capture_sizes, validate_capture_sizes
 
 log = logging.getLogger("breakgraph.runner")
@@ -58,6 +58,11 @@ class GraphRunner:
     ``random_ops``, ``generators`` and ``barrier_fn`` are as for
     :class:`BreakableCUDAGraphCapture`; ``before_replay`` and
     ``after_replay`` are called around every replay (not around eager runs).
+
+    ``on_capture_error="eager"`` serves a size whose capture fails eagerly,
+    on the same padded static buffers, after logging the reason once, while
+    the other sizes keep their graphs; ``report()`` lists it. The default,
+    "raise", propagates the error.
     """
 
     def __init__(
@@ -80,6 +85,7 @@ class GraphRunner:
         barrier_fn=None,
         before_replay=None,
         after_replay=None,
+        on_capture_error: str = "raise",
     ):
         if not callable(fn):
             raise TypeError(f"GraphRunner needs a callable to capture, got {type(fn).__name__}")
@@ -96,7 +102,7 @@ class GraphRunner:
             capture_sizes = {key: capture_sizes for key in self.keys}
         if set(capture_sizes) != set(self.keys):
             raise ValueError(f"capture_sizes has keys {list(capture_sizes)}, expected {self.keys}")
-        self.modes = _parse_modes(modes, self.keys)
+        self.modes = parse_modes(modes, self.keys)
         self.sizes_by_key = {
             key: validate_capture_sizes(capture_sizes[key], self.max_size) if self.modes[key] != "none" else []
             for key in self.keys
@@ -115,6 +121,10 @@ class GraphRunner:
             if hook is not None and not callable(hook):
                 raise TypeError(f"before_replay and after_replay must be callable, got {type(hook).__name__}")
         self.replay_hooks = {"before": before_replay, "after": after_replay}
+        if on_capture_error not in ("raise", "eager"):
+            raise ValueError(f"on_capture_error must be 'raise' or 'eager', got {on_capture_error!r}")
+        self.on_capture_error = on_capture_error
+        self._failed: dict[tuple[Hashable, int], str] = {}
         self.pool = None
         self._graphed: dict[tuple[Hashable, int], GraphedCallable] = {}
         self._capture_seconds: dict[tuple[Hashable, int], float] = {}
@@ -148,12 +158,27 @@ class GraphRunner:
 
             work = tqdm(work, desc="breakgraph: capturing", unit="graph")
         for key, size in work:
-            if (key, size) not in self._graphed:
+            if (key, size) not in self._graphed and (key, size) not in self._failed:
                 self._capture_one(key, size)
         return self
 
-    def _capture_one(self, key: Hashable, size: int) -> GraphedCallable:
+    def _capture_one(self, key: Hashable, size: int) -> GraphedCallable | None:
+        """Capture (key, size); with ``on_capture_error="eager"`` a failure is logged and
+        remembered, and the size is served eagerly (None)."""
         started = time.perf_counter()
+        try:
+            graphed = self._warm_up_and_capture(key, size)
+        except Exception as error:
+            if self.on_capture_error == "raise":
+                raise
+            self._failed[(key, size)] = f"{type(error).__name__}: {error}"
+            log.warning("capture of size %d (key %r) failed; serving it eagerly: %s", size, key, self._failed[(key, size)])
+            return None
+        self._graphed[(key, size)] = graphed
+        self._capture_seconds[(key, size)] = time.perf_counter() - started
+        return graphed
+
+    def _warm_up_and_capture(self, key: Hashable, size: int) -> GraphedCallable:
         if self.warmup == "auto":
             first_of_key = not any(done == key for done, _size in self._graphed)
             try:
@@ -170,8 +195,6 @@ class GraphRunner:
             graphed = self._graphed_at(key, size, warmup=self.warmup)
             if self.warmup:
                 self._warmed_up.add((key, size))
-        self._graphed[(key, size)] = graphed
-        self._capture_seconds[(key, size)] = time.perf_counter() - started
         return graphed
 
     def _graphed_at(self, key: Hashable, size: int, warmup: int) -> GraphedCallable:
@@ -211,11 +234,16 @@ class GraphRunner:
         key, size = chosen
         self.inputs.fill(live, size, self.pad_value)
         graphed = self._graphed.get((key, size))
-        if graphed is None:  # lazy: captured on first use, and that use timed
+        if graphed is None and (key, size) not in self._failed:  # lazy: captured on first use, and that use timed
             started = time.perf_counter()
-            output = self._capture_one(key, size).replay()
-            torch.cuda.current_stream().synchronize()
-            self._first_use_seconds[(key, size)] = time.perf_counter() - started
+            graphed = self._capture_one(key, size)
+            if graphed is not None:
+                graphed.replay()
+                torch.cuda.current_stream().synchronize()
+                self._first_use_seconds[(key, size)] = time.perf_counter() - started
+        if graphed is None:  # its capture failed: the same padded buffers, eagerly
+            call_args, call_kwargs = self.inputs.arguments(self.inputs.views(size), {} if key is None else {"key": key})
+            output = self.fn(*call_args, **call_kwargs)
         else:
             output = graphed.replay()
         return live_rows(output, size, n, self.clone)
@@ -246,8 +274,12 @@ class GraphRunner:
             }
             for (key, size), graphed in sorted(self._graphed.items(), key=lambda item: (str(item[0][0]), item[0][1]))
         ]
+        failed = [
+            {"key": "" if key is None else key, "mode": self.modes[key], "size": size, "reason": reason}
+            for (key, size), reason in sorted(self._failed.items(), key=lambda item: (str(item[0][0]), item[0][1]))
+        ]
         total_bytes = pool_bytes(self.pool) if self.pool is not None else 0
-        report = {"rows": rows, "pool_bytes": total_bytes, "eager_reason": self.eager_reason}
+        report = {"rows": rows, "failed": failed, "pool_bytes": total_bytes, "eager_reason": self.eager_reason}
         if print_table:
             if self.eager_reason is not None:
                 print(f"GraphRunner: eager ({self.eager_reason})")
@@ -255,19 +287,7 @@ class GraphRunner:
                 columns = ["key", "mode", "size", "graphs", "eager_breaks", "capture_ms", "warmed_up"]
                 print(format_table(rows, columns + (["first_use_ms"] if self._first_use_seconds else [])))
                 print(f"{len(rows)} graphs captured, pool holds {total_bytes / 2**20:.1f} MiB")
+                for row in failed:
+                    print(f"size {row['size']} (key {row['key'] or None}) is served eagerly: its capture failed: {row['reason']}")
         return report
 
-
-MODES = ("breakable", "full", "none")
-
-
-def _parse_modes(modes, keys: list) -> dict:
-    """Each key's graph mode, from one mode for all or a dict with every key."""
-    if isinstance(modes, str):
-        modes = dict.fromkeys(keys, modes)
-    if not isinstance(modes, dict) or set(modes) != set(keys):
-        raise ValueError(f"modes must be one of {MODES} or a dict giving each of the keys {keys} one, got {modes!r}")
-    for key, mode in modes.items():
-        if mode not in MODES:
-            raise ValueError(f"mode {mode!r} of key {key!r} is not one of {MODES}")
-    return dict(modes)

@@ -10,7 +10,6 @@ checks. Replay, debug mode and profiling are built on that interface alone.
 from __future__ import annotations
 
 import functools
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -55,8 +54,9 @@ class EagerSegment:
     ``result`` is the capture-time result (aliases of its tensors when it is
     only CUDA tensors, see :func:`~breakgraph.aliasing.alias_result`); ``write``
     copies each replay's result into it, where later segments read it.
-    ``argument_addresses`` (path, weak reference, data pointer) lets debug
-    mode check that the caller's tensors did not move.
+    ``argument_addresses`` (path, weak references to the tensor and its
+    storage, data pointer, whether the graph's pool holds it) lets debug mode
+    check that the caller's tensors did not move or die.
     """
 
     index: int
@@ -66,7 +66,7 @@ class EagerSegment:
     kwargs: dict
     result: Any
     write: Writer
-    argument_addresses: tuple[tuple[str, weakref.ref, int], ...] = ()
+    argument_addresses: tuple[tuple, ...] = ()
     bytes_written: int = 0
     kind: str = field(default="eager", init=False)
     num_nodes: int = field(default=0, init=False)

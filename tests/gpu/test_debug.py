@@ -75,3 +75,24 @@ def test_out_of_bounds_kernel_is_named_by_segment():
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert "NAMED: segment 1 (eager: " in run.stdout, run.stdout + run.stderr
     assert "gather_rows" in run.stdout
+
+
+def test_a_freed_argument_is_named_before_anything_is_launched():
+    ran = []
+
+    @bg.eager_on_graph
+    def first(t):
+        ran.append("first")
+        return t + 1
+
+    x = torch.randn(1 << 16, device=DEV)  # the caller's tensor, outside the graph's pool
+    graph = bg.BreakableCUDAGraph(debug=True)
+    with bg.BreakableCUDAGraphCapture(graph):
+        out = torch.relu(first(x)) * 2
+    graph.replay()
+    ran.clear()
+    del x  # the graph keeps only a non-owning alias of it: its memory goes back to the allocator
+    with pytest.raises(bg.SegmentError, match=r"first\(\) argument t: its memory \(0x[0-9a-f]+\) was freed since capture"):
+        graph.replay()
+    assert ran == []  # checked before the first segment ran
+    assert out.shape == (1 << 16,)

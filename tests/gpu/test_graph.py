@@ -34,3 +34,32 @@ def test_replay_hooks_run_once_per_replay_around_the_segments():
     assert events == ["break"]
     with pytest.raises(TypeError, match="callable"):
         graph.set_replay_hooks(before=3)
+
+
+
+def test_a_break_that_raises_at_replay_leaves_the_graph_and_the_thread_usable():
+    fail = {"now": False}
+
+    @bg.eager_on_graph
+    def flaky(x):
+        if fail["now"]:
+            raise ValueError("the engine's metadata was not ready")
+        return x + 1
+
+    x = torch.randn(8, device=DEV)
+    graph = bg.BreakableCUDAGraph()
+    with bg.BreakableCUDAGraphCapture(graph):
+        out = flaky(x * 2) * 3
+    fail["now"] = True
+    with pytest.raises(ValueError, match="not ready"):
+        graph.replay()
+    fail["now"] = False
+    fresh = torch.randn_like(x)
+    x.copy_(fresh)
+    graph.replay()
+    assert_close(out, (fresh * 2 + 1) * 3)
+    other = bg.BreakableCUDAGraph()  # and the next capture on this thread works
+    with bg.BreakableCUDAGraphCapture(other):
+        y = flaky(x) - 1
+    other.replay()
+    assert_close(y, fresh)

@@ -200,3 +200,35 @@ def test_modes_route_uniform_batches_to_full_graphs_and_mixed_ones_to_breakable_
         assert (len(ran_eagerly) > before) == breaks_ran  # mixed batches take the breakable graphs
     assert len(replays) == 4
 
+
+
+
+@torch.no_grad()
+def test_a_size_whose_capture_fails_is_served_eagerly_and_reported():
+    def fn(x):
+        if x.shape[0] == 4:
+            x.sum().item()  # a host sync every time at this size: no warm-up helps
+        return softmax_rows(x) * 2
+
+    static = torch.zeros(8, 4, device=DEV)
+    with pytest.raises(bg.UncapturableOpError):
+        bg.GraphRunner(fn, static, capture_sizes=[2, 4, 8], progress=False).capture()
+    runner = bg.GraphRunner(fn, static, capture_sizes=[2, 4, 8], progress=False, on_capture_error="eager").capture()
+    assert set(runner.graphs) == {(None, 2), (None, 8)}
+    report = runner.report(print_table=False)
+    assert [row["size"] for row in report["failed"]] == [4] and "UncapturableOpError" in report["failed"][0]["reason"]
+    for n in (1, 3, 4, 7):
+        x = torch.randn(n, 4, device=DEV)
+        assert_close(runner(x), torch.softmax(x, -1) * 2)
+
+
+@torch.no_grad()
+def test_garbage_in_the_padded_rows_never_reaches_the_live_rows():
+    """Padding is the model's job in one sense: its rows must not mix. For such a model
+    (row-wise ops and breaks), NaN padding leaves rows 0:n exact."""
+    model, runner = _runner(capture_sizes=[8, 16, 24], pad_value=float("nan"))
+    for n in (1, 5, 13, 20):
+        x = torch.randn(n, 8, 64, device=DEV)
+        out = runner(x)
+        assert torch.isfinite(out).all()
+        assert_close(out, model(x), 1e-4, 1e-4)
