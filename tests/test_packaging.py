@@ -14,10 +14,12 @@ def test_a_bindings_folder_in_the_working_directory_does_not_shadow_breakgraph(t
     (tmp_path / "bindings").mkdir()
     (tmp_path / "bindings" / "__init__.py").write_text("raise ImportError('the user\\'s own bindings package')\n")
     (tmp_path / "bindings.py").write_text("raise ImportError('the user\\'s own bindings module')\n")
-    code = "import breakgraph, breakgraph_bindings; print(breakgraph_bindings.__file__)"
+    code = "import breakgraph, breakgraph_bindings; print(breakgraph.__file__); print(breakgraph_bindings.__file__)"
     run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
-    assert Path(run.stdout.strip()).parent.parent == ROOT  # the project's bindings, not the user's
+    engine, bindings = (Path(line) for line in run.stdout.split())
+    assert tmp_path not in bindings.parents  # not the user's folder
+    assert bindings.parents[1] == engine.parents[1]  # the bindings installed with this breakgraph
 
 
 def test_a_wheel_installs_breakgraph_and_breakgraph_bindings_and_they_import(tmp_path):
