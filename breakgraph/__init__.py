@@ -15,6 +15,7 @@ from breakgraph.eager import break_graph, eager_on_graph
 from breakgraph.graph import BreakableCUDAGraph
 from breakgraph.graphed import GraphedCallable, graphed
 from breakgraph.pool import pool_bytes
+from breakgraph.ranks import CaptureAgreement, PeerCaptureError, agreed_batch_size
 from breakgraph.runner import GraphRunner
 from breakgraph.sizes import default_capture_sizes
 from breakgraph.streams import StreamJoinError
@@ -24,14 +25,17 @@ from breakgraph.writeback import WritebackError
 __all__ = [
     "BreakableCUDAGraph",
     "BreakableCUDAGraphCapture",
+    "CaptureAgreement",
     "CudaError",
     "GraphRunner",
     "GraphedCallable",
     "LifetimeWarning",
+    "PeerCaptureError",
     "SegmentError",
     "StreamJoinError",
     "UncapturableOpError",
     "WritebackError",
+    "agreed_batch_size",
     "break_graph",
     "default_capture_sizes",
     "eager_on_graph",

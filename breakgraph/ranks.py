@@ -1,0 +1,165 @@
+"""Ranks that agree: captures that succeed or fail on every rank together, one batch size.
+
+Tensor-parallel ranks run the same program, and the eager breaks of a
+capture run their collectives for real. If one rank's capture fails while
+the others go on, the others wait in a collective the failed rank never
+joins: the job hangs. :class:`CaptureAgreement` keeps the ranks in step: at
+every barrier (``barrier_fn``) and once at the end, each rank tells the
+others whether it is still capturing, so either every rank keeps its
+capture or every rank raises, and the next capture starts in step.
+
+Each exchange is one ``all_reduce`` of a small integer tensor over the
+process group (a CPU tensor for gloo, a tensor on the current CUDA device
+otherwise). A rank that is late holds the others in that ``all_reduce``
+until it arrives or the process group's timeout ends the job.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+
+class PeerCaptureError(RuntimeError):
+    """Another rank's capture failed, so this rank's capture was discarded too.
+
+    ``ranks`` are the ranks (in the process group) whose capture failed; their
+    own errors say why.
+    """
+
+    def __init__(self, message: str, ranks: Sequence[int] = ()):
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+
+
+class _Step(IntEnum):
+    """What a rank reports in an exchange (0 is reserved for "no report")."""
+
+    BARRIER = 1  # a barrier inside the capture: still capturing
+    END = 2  # the capture ended and was kept on this rank
+    FAILED = 3  # this rank's capture failed; its own error is raised there
+
+
+_FIELDS = 3  # step, tag, tag present
+
+
+class CaptureAgreement:
+    """Keeps the ranks of ``group`` in step while they capture: all keep, or all raise.
+
+    Use it around a capture (or around ``GraphRunner.capture()``), and pass
+    :meth:`barrier` as the capture's ``barrier_fn``::
+
+        agreement = breakgraph.CaptureAgreement(group, discard=graph.reset)
+        with agreement:
+            with breakgraph.BreakableCUDAGraphCapture(graph, barrier_fn=agreement.barrier):
+                static_out = model(static_in)
+
+    A rank whose capture fails tells the others at their next exchange and
+    raises its own error; the others raise :class:`PeerCaptureError` (from the
+    barrier, so their capture aborts, or at the end, after ``discard()`` drops
+    the graph they had captured). ``tag`` (an int, e.g. the batch size) must be
+    the same on every rank; ranks that reach the end after a different number
+    of barriers, or with different tags, all raise ``PeerCaptureError`` too,
+    instead of pairing unrelated collectives. The object can be entered again
+    for the next capture.
+    """
+
+    def __init__(self, group=None, tag: int | None = None, discard=None):
+        if discard is not None and not callable(discard):
+            raise TypeError(f"discard must be callable (e.g. graph.reset), got {type(discard).__name__}")
+        if tag is not None and not isinstance(tag, int):
+            raise TypeError(f"tag must be an int that every rank agrees on (e.g. the batch size), got {tag!r}")
+        self.group = group
+        self.tag = tag
+        self.discard = discard
+        self.exchanges = 0
+        self._open = False
+        self._settled = False
+
+    # -- the protocol ----------------------------------------------------------------------
+    def barrier(self) -> None:
+        """Called inside the capture (``barrier_fn``): wait for every rank, and raise
+        :class:`PeerCaptureError` if another rank's capture failed or is out of step."""
+        if not self._open:
+            raise RuntimeError("CaptureAgreement.barrier() runs inside 'with agreement:'; enter the agreement first")
+        self._settle_on(self._exchange(_Step.BARRIER))
+
+    def __enter__(self) -> "CaptureAgreement":
+        if self._open:
+            raise RuntimeError("this CaptureAgreement is already in use; one capture at a time")
+        self._open, self._settled = True, False
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        self._open = False
+        if self._settled:  # a barrier already told every rank how this capture ends
+            return
+        if error is not None:
+            self._exchange(_Step.FAILED)  # the others learn it at their next exchange
+            self._settled = True
+            return
+        try:
+            self._settle_on(self._exchange(_Step.END))
+        except PeerCaptureError:
+            if self.discard is not None:
+                self.discard()
+            raise
+
+    def _settle_on(self, reports: list[tuple[int, int | None]]) -> None:
+        """Raise on every rank alike unless every rank reported the same step and tag."""
+        failed = [rank for rank, (step, _tag) in enumerate(reports) if step == _Step.FAILED]
+        if failed:
+            self._settled = True
+            raise PeerCaptureError(
+                f"the capture failed on rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} of "
+                f"{len(reports)}, so this rank discarded its capture to stay in step; that rank's own error says "
+                f"why. Fix it there and capture again on every rank.",
+                failed,
+            )
+        if len(set(reports)) > 1:
+            self._settled = True
+            where = "; ".join(
+                f"rank {rank} {'at a barrier' if step == _Step.BARRIER else 'at the end'}"
+                + ("" if tag is None else f" with tag {tag}")
+                for rank, (step, tag) in enumerate(reports)
+            )
+            raise PeerCaptureError(
+                f"the ranks' captures are out of step ({where}): every rank must capture the same program "
+                f"(the same breaks) with the same tag (e.g. the same batch size). Every rank discarded its capture.",
+            )
+
+    def _exchange(self, step: _Step) -> list[tuple[int, int | None]]:
+        """One all_reduce: every rank's step and tag, in rank order."""
+        device = _device_for(self.group)
+        rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        table = torch.zeros(world, _FIELDS, dtype=torch.int64, device=device)
+        table[rank, 0] = int(step)
+        if self.tag is not None:
+            table[rank, 1], table[rank, 2] = self.tag, 1
+        dist.all_reduce(table, op=dist.ReduceOp.SUM, group=self.group)
+        self.exchanges += 1
+        return [(step, tag if present else None) for step, tag, present in table.cpu().tolist()]
+
+
+def agreed_batch_size(n: int, group=None) -> int:
+    """The largest of every rank's batch size ``n``: pad to it, and every rank replays the
+    same graph size (graphs with collectives inside must match across ranks), or every
+    rank runs eagerly. One ``all_reduce`` per call: a host sync."""
+    if not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be a batch size (an int >= 0), got {n!r}")
+    size = torch.tensor([n], dtype=torch.int64, device=_device_for(group))
+    dist.all_reduce(size, op=dist.ReduceOp.MAX, group=group)
+    return int(size.item())
+
+
+def _device_for(group) -> torch.device:
+    """Where a collective's tensor must live for ``group``'s backend: CPU for gloo."""
+    if not dist.is_initialized():
+        raise RuntimeError("ranks need torch.distributed: call torch.distributed.init_process_group() first")
+    backend = str(dist.get_backend(group)).lower()
+    if "gloo" in backend or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
