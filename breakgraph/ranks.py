@@ -24,15 +24,18 @@ import torch.distributed as dist
 
 
 class PeerCaptureError(RuntimeError):
-    """Another rank's capture failed, so this rank's capture was discarded too.
+    """Another rank's capture failed, or the ranks' captures were out of step, so this
+    rank's capture was abandoned too (every rank raises alike).
 
-    ``ranks`` are the ranks (in the process group) whose capture failed; their
-    own errors say why.
+    ``ranks`` are the ranks (within the process group) whose capture failed; their own
+    errors say why. ``out_of_step`` is True when no rank failed but the ranks reached
+    the end after different numbers of breaks, or with different tags.
     """
 
-    def __init__(self, message: str, ranks: Sequence[int] = ()):
+    def __init__(self, message: str, ranks: Sequence[int] = (), out_of_step: bool = False):
         super().__init__(message)
         self.ranks = tuple(ranks)
+        self.out_of_step = out_of_step
 
 
 class _Step(IntEnum):
@@ -44,6 +47,7 @@ class _Step(IntEnum):
 
 
 _FIELDS = 3  # step, tag, tag present
+_INT64 = (-(2**63), 2**63 - 1)
 
 
 class CaptureAgreement:
@@ -52,7 +56,7 @@ class CaptureAgreement:
     Use it around a capture (or around ``GraphRunner.capture()``), and pass
     :meth:`barrier` as the capture's ``barrier_fn``::
 
-        agreement = breakgraph.CaptureAgreement(group, discard=graph.reset)
+        agreement = breakgraph.CaptureAgreement(gloo_group, discard=graph.reset)
         with agreement:
             with breakgraph.BreakableCUDAGraphCapture(graph, barrier_fn=agreement.barrier):
                 static_out = model(static_in)
@@ -65,19 +69,34 @@ class CaptureAgreement:
     of barriers, or with different tags, all raise ``PeerCaptureError`` too,
     instead of pairing unrelated collectives. The object can be entered again
     for the next capture.
+
+    Only failures between exchanges are covered: a rank that fails inside a
+    break's own collective, or in an eager warm-up run, leaves the others
+    waiting in that collective. A gloo ``group`` of its own
+    (``dist.new_group(backend="gloo")``) keeps the exchanges apart from the
+    model's NCCL collectives and working after a CUDA error.
     """
 
     def __init__(self, group=None, tag: int | None = None, discard=None):
         if discard is not None and not callable(discard):
             raise TypeError(f"discard must be callable (e.g. graph.reset), got {type(discard).__name__}")
-        if tag is not None and not isinstance(tag, int):
-            raise TypeError(f"tag must be an int that every rank agrees on (e.g. the batch size), got {tag!r}")
         self.group = group
         self.tag = tag
         self.discard = discard
         self.exchanges = 0
-        self._open = False
-        self._settled = False
+        self._table: torch.Tensor | None = None
+        self._open = self._settled = self._interrupted = False
+
+    @property
+    def tag(self) -> int | None:
+        """An int every rank must agree on for the next capture (e.g. its batch size), or None."""
+        return self._tag
+
+    @tag.setter
+    def tag(self, tag: int | None) -> None:
+        if tag is not None and (not isinstance(tag, int) or not _INT64[0] <= tag <= _INT64[1]):
+            raise TypeError(f"tag must be a 64-bit int that every rank agrees on (e.g. the batch size), got {tag!r}")
+        self._tag = tag
 
     # -- the protocol ----------------------------------------------------------------------
     def barrier(self) -> None:
@@ -85,42 +104,52 @@ class CaptureAgreement:
         :class:`PeerCaptureError` if another rank's capture failed or is out of step."""
         if not self._open:
             raise RuntimeError("CaptureAgreement.barrier() runs inside 'with agreement:'; enter the agreement first")
-        self._settle_on(self._exchange(_Step.BARRIER))
+        self._raise_unless_agreed(self._exchange(_Step.BARRIER))
 
     def __enter__(self) -> "CaptureAgreement":
+        if self._interrupted:
+            raise RuntimeError(
+                "an exchange of this CaptureAgreement was interrupted after it was sent, so the ranks may be out "
+                "of step: make a new process group (and agreement) before capturing again"
+            )
         if self._open:
             raise RuntimeError("this CaptureAgreement is already in use; one capture at a time")
+        device = _device_for(self.group)
+        # Made here, outside the capture, so no exchange allocates from a graph's pool.
+        self._table = torch.zeros(dist.get_world_size(self.group), _FIELDS, dtype=torch.int64, device=device)
         self._open, self._settled = True, False
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
         self._open = False
-        if self._settled:  # a barrier already told every rank how this capture ends
+        if self._settled or self._interrupted:  # every rank already knows how this capture ends, or cannot
             return
         if error is not None:
             self._exchange(_Step.FAILED)  # the others learn it at their next exchange
-            self._settled = True
             return
         try:
-            self._settle_on(self._exchange(_Step.END))
-        except PeerCaptureError:
+            self._raise_unless_agreed(self._exchange(_Step.END))
+        except PeerCaptureError as peer:
             if self.discard is not None:
-                self.discard()
+                try:
+                    self.discard()
+                except Exception as failure:
+                    raise peer from failure
             raise
 
-    def _settle_on(self, reports: list[tuple[int, int | None]]) -> None:
+    def _raise_unless_agreed(self, reports: list[tuple[int, int | None]]) -> None:
         """Raise on every rank alike unless every rank reported the same step and tag."""
         failed = [rank for rank, (step, _tag) in enumerate(reports) if step == _Step.FAILED]
         if failed:
-            self._settled = True
+            many = len(failed) > 1
+            whose = "their" if many else "that rank's"
             raise PeerCaptureError(
-                f"the capture failed on rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} of "
-                f"{len(reports)}, so this rank discarded its capture to stay in step; that rank's own error says "
-                f"why. Fix it there and capture again on every rank.",
+                f"the capture failed on rank{'s' if many else ''} {', '.join(map(str, failed))} of the group's "
+                f"{len(reports)}, so this rank gives up its capture too, to stay in step; {whose} own "
+                f"error says why. Fix it there and capture again on every rank.",
                 failed,
             )
         if len(set(reports)) > 1:
-            self._settled = True
             where = "; ".join(
                 f"rank {rank} {'at a barrier' if step == _Step.BARRIER else 'at the end'}"
                 + ("" if tag is None else f" with tag {tag}")
@@ -128,20 +157,27 @@ class CaptureAgreement:
             )
             raise PeerCaptureError(
                 f"the ranks' captures are out of step ({where}): every rank must capture the same program "
-                f"(the same breaks) with the same tag (e.g. the same batch size). Every rank discarded its capture.",
+                f"(the same breaks) with the same tag (e.g. the same batch size). Every rank gives up its capture.",
+                out_of_step=True,
             )
 
     def _exchange(self, step: _Step) -> list[tuple[int, int | None]]:
-        """One all_reduce: every rank's step and tag, in rank order."""
-        device = _device_for(self.group)
-        rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
-        table = torch.zeros(world, _FIELDS, dtype=torch.int64, device=device)
+        """One all_reduce: every rank's step and tag, in group rank order. Marks the capture
+        settled when the reports end it (a failure, ranks out of step, or all at the end)."""
+        table, rank = self._table, dist.get_rank(self.group)
+        table.zero_()
         table[rank, 0] = int(step)
         if self.tag is not None:
             table[rank, 1], table[rank, 2] = self.tag, 1
+        # From here this rank may have joined the collective: if it cannot read the result,
+        # it must not exchange again in this capture (the others will not).
+        self._interrupted = True
         dist.all_reduce(table, op=dist.ReduceOp.SUM, group=self.group)
+        reports = [(reported, tag if present else None) for reported, tag, present in table.cpu().tolist()]
         self.exchanges += 1
-        return [(step, tag if present else None) for step, tag, present in table.cpu().tolist()]
+        self._settled = step != _Step.BARRIER or len(set(reports)) > 1
+        self._interrupted = False
+        return reports
 
 
 def agreed_batch_size(n: int, group=None) -> int:
@@ -156,7 +192,8 @@ def agreed_batch_size(n: int, group=None) -> int:
 
 
 def _device_for(group) -> torch.device:
-    """Where a collective's tensor must live for ``group``'s backend: CPU for gloo."""
+    """Where a collective's tensor must live for ``group``: the CPU when the group has gloo
+    (``"gloo"``, ``"cpu:gloo,cuda:nccl"``), else the current CUDA device."""
     if not dist.is_initialized():
         raise RuntimeError("ranks need torch.distributed: call torch.distributed.init_process_group() first")
     backend = str(dist.get_backend(group)).lower()
