@@ -19,7 +19,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from breakgraph import trees
 from breakgraph.aliasing import alias_leaves, alias_result
-from breakgraph.pool import holds
+from breakgraph.pool import PoolUsage
 from breakgraph.segments import EagerSegment
 from breakgraph.writeback import make_writer
 
@@ -54,11 +54,14 @@ def warn_kept_allocations(name: str, before: dict[int, int], after: dict[int, in
         )
 
 
-def record_break(index: int, name: str, function: Callable, args: tuple, kwargs: dict, result, pool) -> EagerSegment:
+def record_break(
+    index: int, name: str, function: Callable, args: tuple, kwargs: dict, result, pool_usage: PoolUsage | None
+) -> EagerSegment:
     """The eager segment that replays ``function(*args, **kwargs)``, which returned ``result`` at
     capture: arguments and result kept as non-owning aliases where they are CUDA tensors, and
-    the writer that puts each replay's result where later segments read it. With ``pool``
-    (debug mode), the arguments' addresses are recorded for the checks at replay."""
+    the writer that puts each replay's result where later segments read it. With
+    ``pool_usage`` (debug mode: the graph's pool as the break began), the arguments'
+    addresses are recorded for the checks at replay."""
     has_arguments = bool(args or kwargs)
     arg_leaves, arg_spec = trees.flatten((args, kwargs), objects=False) if has_arguments else ([], None)
     if result is None:
@@ -77,7 +80,7 @@ def record_break(index: int, name: str, function: Callable, args: tuple, kwargs:
         replay_kwargs,
         kept,
         write,
-        argument_addresses(function, args, kwargs, pool) if pool is not None else (),
+        argument_addresses(function, args, kwargs, pool_usage) if pool_usage is not None else (),
     )
 
 
@@ -125,16 +128,17 @@ def _refuse_backward(name: str, path: str) -> Callable:
     return refuse
 
 
-def argument_addresses(function: Callable, args: tuple, kwargs: dict, pool) -> tuple:
+def argument_addresses(function: Callable, args: tuple, kwargs: dict, pool_usage: PoolUsage) -> tuple:
     """For every tensor argument: its path, named as the function names it (``x``,
     ``parts['a']``), weak references to it and its storage, its data pointer, and whether
-    ``pool`` holds it; debug mode checks at replay that none was moved or freed."""
+    the graph's pool holds it (``pool_usage``); debug mode checks at replay that none was
+    moved or freed."""
     try:
         bound = inspect.signature(function).bind(*args, **kwargs).arguments
     except (TypeError, ValueError):
         bound = {f"args[{i}]": value for i, value in enumerate(args)} | dict(kwargs)
     return tuple(
-        (path, weakref.ref(tensor), StorageWeakRef(tensor.untyped_storage()), tensor.data_ptr(), holds(pool, tensor.data_ptr()))
+        (path, weakref.ref(tensor), StorageWeakRef(tensor.untyped_storage()), tensor.data_ptr(), pool_usage.holds(tensor.data_ptr()))
         for key, value in bound.items()
         for path, tensor in trees.take_apart(value, objects=False).tensors_with_paths(str(key))
     )

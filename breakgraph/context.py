@@ -36,6 +36,10 @@ class ActiveCapture(Protocol):
         begin the next segment; in a full-graph capture, record ``inline`` (a capturable
         variant, or True for ``function`` itself) inside the open segment instead."""
 
+    def random_op(self, op: Callable, args: tuple, kwargs: dict) -> Any:
+        """Run a random op the op watch met inside a segment: captured from armed
+        generators, or as an eager break."""
+
 
 _active: ContextVar[Optional[ActiveCapture]] = ContextVar("breakgraph_capture", default=None)
 

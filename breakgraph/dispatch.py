@@ -11,7 +11,8 @@ only while a segment records, that turns every op tagged
 ``nondeterministic_seeded`` into an eager break and names host-sync ops
 before they reach CUDA. It costs a Python call per op at capture; it serves
 torch versions whose generators cannot be armed for raw captures, and
-random ops on generators no capture can arm.
+captures that start while another capture holds the generators (their
+first random op waits for them).
 """
 
 from __future__ import annotations
@@ -146,14 +147,14 @@ def _kind(func) -> int:
 class CaptureDispatchMode(TorchDispatchMode):
     """The opt-in op watch, active for the whole capture; it acts only while a segment records.
 
-    Random ops become eager breaks, or, with ``refuse_random`` set to the
-    reason, fail with it (a capture whose generator another capture holds).
+    Random ops go to the capture (:meth:`ActiveCapture.random_op`), which
+    makes them eager breaks, or captures them once it has armed the
+    generators; host-sync ops are named before they reach CUDA.
     """
 
-    def __init__(self, capture: ActiveCapture, refuse_random: str | None = None):
+    def __init__(self, capture: ActiveCapture):
         super().__init__()
         self.capture = capture
-        self.refuse_random = refuse_random
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -162,12 +163,7 @@ class CaptureDispatchMode(TorchDispatchMode):
             return func(*args, **kwargs)
         kind = _kind(func)
         if kind == _Kind.RANDOM:
-            if self.refuse_random is not None:
-                raise UncapturableOpError(
-                    f"{func} draws random numbers, but {self.refuse_random}. Capture random ops in one "
-                    "capture at a time, or move this one into an @breakgraph.eager_on_graph function."
-                )
-            return capture.run_break(func, args, kwargs, name=f"random {func}")
+            return capture.random_op(func, args, kwargs)
         if kind == _Kind.HOST_SYNC and _touches_cuda(args, kwargs):
             raise uncapturable(f"{func} (it synchronizes the GPU with the host)")
         try:

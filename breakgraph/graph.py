@@ -205,9 +205,8 @@ class BreakableCUDAGraph:
 
     def __del__(self) -> None:
         # The pool may be this graph's alone: never let it die inside another thread's capture.
-        pool = getattr(self, "_pool", None)
-        if pool is not None and runtime is not None:  # runtime is None at interpreter exit
-            runtime.release_after_captures(pool)
+        if runtime is not None:  # runtime is None at interpreter exit
+            runtime.release_after_captures(self, "_pool")
 
     def __repr__(self) -> str:
         return f"BreakableCUDAGraph(num_graphs={self.num_graphs}, num_eager_breaks={self.num_eager_breaks})"

@@ -23,10 +23,13 @@ from breakgraph import context, rng, runtime, streams
 from breakgraph.breaks import record_break, warn_kept_allocations
 from breakgraph.dispatch import CaptureDispatchMode, UncapturableOpError, is_capture_violation
 from breakgraph.options import CaptureOptions
-from breakgraph.pool import allocated_blocks
+from breakgraph.pool import PoolUsage
 from breakgraph.segments import GraphSegment, Launcher, Segment
 
 _warned_uncooperative = False
+
+_ARMING_WAIT_S = 60.0
+"""How long a capture's first random op waits for another capture to release the generators."""
 
 
 def _warn_uncooperative() -> None:
@@ -34,8 +37,11 @@ def _warn_uncooperative() -> None:
     if not _warned_uncooperative:
         _warned_uncooperative = True
         warnings.warn(
-            f"breakgraph: torch {torch.__version__}'s CUDA generators cannot be armed for captures made "
-            "through cuda.bindings; random ops become eager breaks (random_ops='break')",
+            f"breakgraph: random ops (dropout, randn, ...) run as eager breaks on torch {torch.__version__}. "
+            "From torch 2.12 on, only a capture that torch itself begins can draw random numbers inside a "
+            "CUDA graph, and breakgraph captures through cuda.bindings. Every replay still draws fresh "
+            "numbers, at the cost of one break per random op. Pass random_ops='break' to choose this and "
+            "silence this warning; torch 2.11 captures random ops into the graph.",
             stacklevel=4,
         )
 
@@ -62,6 +68,8 @@ class Recorder:
         self.barrier = options.barrier_fn
         self.record_addresses = record_addresses
         self.random: rng.ArmedGenerators | None = None
+        self.random_stream: torch.cuda.Stream | None = None  # where the generators are armed
+        self.arm_when_free = False  # another capture held the generators at the start
         self.segments: list[Segment] = []
         self.segment_open = False
         self.tracker = streams.ForkJoinTracker(
@@ -116,17 +124,46 @@ class Recorder:
         self.end_segment(following=f"{name}()")
         if self.barrier is not None:
             self.barrier()
+        before = None
         if self.record_addresses:  # debug mode also watches what the break allocates
-            before, saved = allocated_blocks(self.pool), []
+            before, saved = PoolUsage.of(self.pool), []
             with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
                 result = (stub or function)(*args, **kwargs)
-            warn_kept_allocations(name, before, allocated_blocks(self.pool), (result, saved))
+            after = PoolUsage.of(self.pool)
+            warn_kept_allocations(name, before.allocated_blocks(), after.allocated_blocks(), (result, saved))
         else:
             result = (stub or function)(*args, **kwargs)
-        self.segments.append(record_break(len(self.segments), name, function, args, kwargs, result, self.pool if self.record_addresses else None))
+        self.segments.append(record_break(len(self.segments), name, function, args, kwargs, result, before))
         self._previous = f"{name}()"
         self.begin_segment()
         return result
+
+    def random_op(self, op: Callable, args: tuple, kwargs: dict) -> Any:
+        """A random op the op watch met inside a segment: captured from the armed generators
+        (armed now if another capture held them at the start), or else an eager break."""
+        if self.arm_when_free:
+            self._arm_between_segments(str(op))
+        if self.random is not None:
+            return op(*args, **kwargs)
+        return self.run_break(op, args, kwargs, name=f"random {op}")
+
+    def _arm_between_segments(self, what: str) -> None:
+        """Arm the generators for the rest of the capture once the capture that held them
+        at the start releases them; between two segments, so no capture of ours is open."""
+        self.arm_when_free = False
+        self.end_segment(following="arming generators")
+        try:
+            self.random = rng.ArmedGenerators.off_thread(
+                self.stream.device, self.options.generators, self.random_stream, self.stream, wait=_ARMING_WAIT_S
+            )
+        except rng.GeneratorBusy as busy:
+            raise UncapturableOpError(
+                f"{what} draws random numbers, but {busy}: on torch 2.11 a generator serves one capture "
+                "at a time. Let the other capture end first, capture this one with random_ops='break' "
+                "(each random op an eager break), or move the op into an @breakgraph.eager_on_graph function."
+            ) from None
+        self._previous = "arming generators"
+        self.begin_segment()
 
     def _run_inline(self, name: str, function: Callable, inline, args: tuple, kwargs: dict) -> Any:
         fix = "capture with breaks='eager' (the breakable mode) for this key"
@@ -188,7 +225,7 @@ def start(pool, stream: torch.cuda.Stream, options: CaptureOptions, record_addre
     recorder = Recorder(pool, stream, options, record_addresses)
     scope = recorder._scope
     random_ops = options.random_ops
-    watch, refuse_random = random_ops == "break", None
+    watch = random_ops == "break"
     try:
         # Outermost, so it is released last: a MemPool that a collection frees while
         # allocations are still routed to a pool aborts the process.
@@ -198,10 +235,11 @@ def start(pool, stream: torch.cuda.Stream, options: CaptureOptions, record_addre
                 _warn_uncooperative()
                 watch = True
             else:
+                recorder.random_stream = runtime.side_stream(stream.device, "random numbers")
                 try:  # before pool routing: torch keeps the generators' device state outside our pool
-                    recorder.random = rng.ArmedGenerators(stream.device, options.generators)
-                except rng.GeneratorBusy as busy:
-                    watch, refuse_random = True, str(busy)
+                    recorder.random = rng.ArmedGenerators(stream.device, options.generators, recorder.random_stream, stream)
+                except rng.GeneratorBusy:  # held by another capture: the first random op waits for it
+                    watch = recorder.arm_when_free = True
         scope.enter_context(torch.cuda.use_mem_pool(pool, stream.device))
         # Backward passes run on this thread, so their breaks and allocations are ours.
         scope.enter_context(torch.autograd.set_multithreading_enabled(False))
@@ -209,7 +247,7 @@ def start(pool, stream: torch.cuda.Stream, options: CaptureOptions, record_addre
         scope.callback(streams.remove_hooks)
         scope.callback(context.deactivate, context.activate(recorder))
         if watch:
-            scope.enter_context(CaptureDispatchMode(recorder, refuse_random))
+            scope.enter_context(CaptureDispatchMode(recorder))
         recorder.begin_segment()
     except BaseException:
         recorder.abort()

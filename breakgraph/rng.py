@@ -20,13 +20,17 @@ keeper to end: that disarms the generators and records the advance, and
 every replay calls ``keeper.replay()`` before the first segment.
 
 This needs torch's per-generator capture state (torch 2.11 and earlier,
-where ``CUDAGraph.register_generator_state`` exists). A generator is armed
-by one capture at a time, as with ``torch.cuda.graph``.
+where ``CUDAGraph.register_generator_state`` exists); from torch 2.12 on only
+a capture torch begins itself can arm a generator, so random ops become
+eager breaks there (see :func:`armable`). A generator is armed by one
+capture at a time, as with ``torch.cuda.graph``: a capture that meets a
+random op while another capture holds the generator waits for it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import warnings
 from typing import Sequence
@@ -35,69 +39,110 @@ import torch
 
 import breakgraph_bindings as bindings
 from breakgraph_bindings import CaptureMode
-from breakgraph import runtime
+
+
+def armable(torch_version: str, graph_has_register_generator_state: bool) -> bool:
+    """Whether a torch of ``torch_version`` lets a capture it did not begin arm its CUDA
+    generators: releases before 2.12 (pre-releases and nightlies of 2.12 already keep
+    generator capture state per torch-owned capture) whose ``CUDAGraph`` has
+    ``register_generator_state``."""
+    major, minor = (int(part) for part in re.match(r"(\d+)\.(\d+)", torch_version).groups())
+    return (major, minor) < (2, 12) and graph_has_register_generator_state
 
 
 def cooperative() -> bool:
     """Whether this torch's CUDA generators can be armed for captures made through cuda.bindings."""
-    return torch.torch_version.TorchVersion(torch.__version__) < "2.12" and hasattr(
-        torch.cuda.CUDAGraph, "register_generator_state"
-    )
+    return armable(torch.__version__, hasattr(torch.cuda.CUDAGraph, "register_generator_state"))
 
 
 class GeneratorBusy(RuntimeError):
-    """A generator this capture would arm is armed by another thread's capture."""
+    """A generator this capture would arm is armed by another capture."""
 
 
-_armed_lock = threading.Lock()
+_armed_changed = threading.Condition(threading.Lock())
 _armed: dict[int, torch.Generator] = {}
 
 
-def _claim(generators: Sequence[torch.Generator]) -> None:
-    with _armed_lock:
-        busy = [gen for gen in generators if id(gen) in _armed]
-        if busy:
-            raise GeneratorBusy(
-                f"the CUDA generator of {busy[0].device} is armed by another thread's capture; torch's "
-                "generator serves one capture at a time"
-            )
+def _claim(generators: Sequence[torch.Generator], wait: float) -> None:
+    """Mark ``generators`` armed by the caller, waiting up to ``wait`` seconds for another
+    capture to release them."""
+    with _armed_changed:
+        free = _armed_changed.wait_for(lambda: not any(id(gen) in _armed for gen in generators), timeout=wait)
+        if not free:
+            busy = next(gen for gen in generators if id(gen) in _armed)
+            waited = f" (waited {wait:g} s for it)" if wait else ""
+            raise GeneratorBusy(f"the CUDA generator of {busy.device} is armed by another capture{waited}")
         for gen in generators:
             _armed[id(gen)] = gen
 
 
 def _release(generators: Sequence[torch.Generator]) -> None:
-    with _armed_lock:
+    with _armed_changed:
         for gen in generators:
             _armed.pop(id(gen), None)
+        _armed_changed.notify_all()
 
 
 class ArmedGenerators:
-    """The generators one capture has armed: ``device``'s default generator and ``extra`` ones."""
+    """The generators one capture has armed: ``device``'s default generator and ``extra`` ones.
 
-    def __init__(self, device: torch.device, extra: Sequence[torch.Generator] = ()):
+    ``side_stream`` is where the keeper captures (it first waits on
+    ``after``, the capture stream); ``wait`` is how long to wait for another
+    capture to release the generators before raising :class:`GeneratorBusy`.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        extra: Sequence[torch.Generator],
+        side_stream: torch.cuda.Stream,
+        after: torch.cuda.Stream,
+        wait: float = 0.0,
+    ):
         default = torch.cuda.default_generators[device.index]
         self.generators = [default] + [gen for gen in extra if gen is not default]
         for gen in self.generators:  # a generator made with device="cuda" reports no index
             if gen.device.type != "cuda" or gen.device.index not in (None, device.index):
                 raise ValueError(f"generators must be CUDA generators of {device}, got one of {gen.device}")
-        _claim(self.generators)
+        _claim(self.generators, wait)
+        self._stream = side_stream
         try:
             self._plain = [gen.clone_state() for gen in self.generators]
-            self._stream = runtime.side_stream(device, "random numbers")
             # keep_graph: ending the keeper instantiates nothing; only a keeper that is
             # replayed (its capture drew random numbers) instantiates, at its first replay.
-            self._keeper = torch.cuda.CUDAGraph(keep_graph=True)
-            for gen in self.generators[1:]:
-                self._keeper.register_generator_state(gen)
-            self._stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(self._stream):
+            side_stream.wait_stream(after)
+            with torch.cuda.stream(side_stream):
+                self._keeper = torch.cuda.CUDAGraph(keep_graph=True)
+                for gen in self.generators[1:]:
+                    self._keeper.register_generator_state(gen)
                 self._keeper.capture_begin(capture_error_mode="relaxed")  # arms every registered generator
-            bindings.end_capture(self._stream).destroy()  # ...and leaves no capture open
+            bindings.end_capture(side_stream).destroy()  # ...and leaves no capture open
         except BaseException:
             _release(self.generators)
             raise
         self._armed = [gen.graphsafe_get_state() for gen in self.generators]
         self.point_at_plain_states()
+
+    @classmethod
+    def off_thread(cls, device: torch.device, *args, **kwargs) -> "ArmedGenerators":
+        """Arm on a helper thread, for a capture already under way: the capturing thread's
+        allocations are routed to its graph's pool, and the generators' device state
+        (allocated when a generator is first armed) must live outside it."""
+        outcome: dict = {}
+
+        def arm() -> None:
+            try:
+                with torch.cuda.device(device):
+                    outcome["armed"] = cls(device, *args, **kwargs)
+            except BaseException as error:  # re-raised on the capturing thread
+                outcome["error"] = error
+
+        helper = threading.Thread(target=arm, name="breakgraph-arm-generators")
+        helper.start()
+        helper.join()
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["armed"]
 
     def point_at_armed_states(self) -> None:
         """While a segment records: random ops are captured and draw fresh numbers at replay."""

@@ -255,6 +255,11 @@ class GraphRunner:
         keys = self.key_fn(*key_args, **key_kwargs)
         return list(keys) if isinstance(keys, (list, tuple)) else [keys]
 
+    def __del__(self) -> None:
+        # The shared pool may outlive every graph here: never let it die inside another thread's capture.
+        if runtime is not None:  # runtime is None at interpreter exit
+            runtime.release_after_captures(self, "pool")
+
     # -- report --------------------------------------------------------------------------
     def report(self, print_table: bool = True) -> dict:
         """Sizes captured, segments per size, capture time per size (and whether it needed a

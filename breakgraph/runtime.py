@@ -117,7 +117,10 @@ def run_on_stream(stream: torch.cuda.Stream, function: Callable[[], T]) -> T:
     return result
 
 
-_gc_lock = threading.Lock()
+# Taken to start or end any capture, and to drop a memory pool: torch destroys a MemPool
+# by emptying its cache, which aborts the process while any thread's allocations are
+# routed to a pool, so a pool must never die between a capture's start and its end.
+_gc_lock = threading.RLock()
 _gc_holds = 0
 _gc_was_enabled = False
 _parked: list = []
@@ -125,12 +128,14 @@ _parked: list = []
 
 @contextlib.contextmanager
 def cycle_collector_paused():
-    """Keep Python's cycle collector from running while any capture is active.
+    """Keep Python's cycle collector from running, and memory pools from being destroyed,
+    while any capture is active.
 
-    A collection mid-capture can destroy an unrelated ``MemPool`` whose
-    destructor frees device memory, which CUDA forbids while a stream is
-    capturing (the process aborts). Reference-counted across threads; what
-    :func:`release_after_captures` parked is let go when the last hold ends.
+    A collection mid-capture can destroy an unrelated ``MemPool``, whose
+    destructor empties the allocator's cache, which torch forbids while any
+    allocation is routed to a pool (the process aborts). Reference-counted
+    across threads; the pools :func:`release_after_captures` parked are let go
+    when the last hold ends, under the lock, so no capture can start meanwhile.
     """
     global _gc_holds, _gc_was_enabled
     with _gc_lock:
@@ -143,17 +148,18 @@ def cycle_collector_paused():
     finally:
         with _gc_lock:
             _gc_holds -= 1
-            released = []
             if _gc_holds == 0:
-                released, _parked[:] = list(_parked), []
+                _parked.clear()  # the last references: destroyed here, while no capture can start
                 if _gc_was_enabled:
                     gc.enable()
-        del released  # outside the lock: destructors may run here
 
 
-def release_after_captures(owned) -> None:
-    """Let go of ``owned`` (a memory pool) now, or, while any capture is active on any
-    thread, when the last one ends: a pool destroyed during a capture aborts the process."""
+def release_after_captures(owner, attribute: str) -> None:
+    """Drop ``owner``'s reference to a memory pool (its attribute ``attribute``) where no
+    capture can be running: now, under the lock every capture takes to start, or, while
+    captures are active on any thread, when the last one ends."""
     with _gc_lock:
-        if _gc_holds:
+        owned = owner.__dict__.pop(attribute, None)
+        if owned is not None and _gc_holds:
             _parked.append(owned)
+        del owned  # when this was the last reference, the pool is destroyed here, under the lock

@@ -50,24 +50,60 @@ def test_cycle_collector_is_paused_and_restored_across_nested_holds():
     assert gc.isenabled()
 
 
-def test_objects_released_during_a_capture_die_when_the_last_capture_ends():
+def test_pools_released_during_a_capture_die_when_the_last_capture_ends():
     import weakref
 
     class Pool:
         pass
 
+    class Owner:
+        def __init__(self):
+            self.pool = Pool()
+
     with runtime.cycle_collector_paused():
-        pool = Pool()
-        alive = weakref.ref(pool)
-        runtime.release_after_captures(pool)
-        del pool
+        owner = Owner()
+        alive = weakref.ref(owner.pool)
+        runtime.release_after_captures(owner, "pool")
+        assert not hasattr(owner, "pool")
         assert alive() is not None  # parked: a capture is active
     assert alive() is None
-    free = Pool()
-    alive = weakref.ref(free)
-    runtime.release_after_captures(free)
-    del free
-    assert alive() is None  # no capture active: nothing held
+    owner = Owner()
+    alive = weakref.ref(owner.pool)
+    runtime.release_after_captures(owner, "pool")
+    assert alive() is None  # no capture active: dropped at once
+    runtime.release_after_captures(owner, "pool")  # released twice: nothing left to drop
+
+
+def test_a_pool_never_dies_while_another_thread_starts_a_capture():
+    """The pool's destructor runs under the lock a capture takes to start, never beside it."""
+    import threading
+
+    events = []
+
+    class Pool:
+        def __del__(self):
+            events.append("pool destroyed")
+
+    class Owner:
+        pool = None
+
+    owner = Owner()
+    owner.pool = Pool()
+    entered = threading.Event()
+
+    def capture():
+        with runtime.cycle_collector_paused():
+            events.append("capture active")
+            entered.set()
+        events.append("capture ended")
+
+    with runtime._gc_lock:  # as if the pool's release had begun: the capture must wait for it
+        thread = threading.Thread(target=capture)
+        thread.start()
+        assert not entered.wait(0.2)
+        runtime.release_after_captures(owner, "pool")
+    thread.join()
+    assert events == ["pool destroyed", "capture active", "capture ended"]
 
 
 def test_import_without_gpu_in_a_fresh_process():

@@ -9,12 +9,17 @@ import torch.nn.functional as F
 from torch import nn
 
 import breakgraph as bg
-from breakgraph import rng
+import time
+
+from breakgraph import recorder, rng
+from breakgraph.runtime import cuda_available
 from tests.helpers import assert_close, poison_
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not rng.cooperative(), reason="this torch's CUDA generators cannot be armed for raw captures"),
+    pytest.mark.skipif(
+        cuda_available() and not rng.cooperative(), reason="this torch's CUDA generators cannot be armed for raw captures"
+    ),
 ]
 DEV = "cuda"
 N = 4096
@@ -239,9 +244,8 @@ def test_random_ops_break_mode_makes_each_random_op_a_break():
     assert not torch.equal(first, noise)
 
 
-def test_concurrent_capture_refuses_random_ops_while_another_holds_the_generator():
-    inside, done = threading.Event(), threading.Event()
-    errors = []
+def _hold_the_generator(inside: threading.Event, release: threading.Event, errors: list) -> threading.Thread:
+    """A thread whose capture arms the default generator and keeps it until ``release``."""
 
     def holder():
         try:
@@ -250,28 +254,74 @@ def test_concurrent_capture_refuses_random_ops_while_another_holds_the_generator
             with bg.BreakableCUDAGraphCapture(graph, stream=stream, capture_error_mode="thread_local"):
                 noise = torch.randn(N, device=DEV)
                 inside.set()
-                done.wait(60)
-            graph.replay()
+                release.wait(60)
+            with torch.cuda.stream(stream):
+                graph.replay()
+            stream.synchronize()
             assert noise.std().item() > 0.9
-        except BaseException as error:  # pragma: no cover - reported below
+        except BaseException as error:  # pragma: no cover - reported by the test
             errors.append(error)
             inside.set()
 
     thread = threading.Thread(target=holder)
     thread.start()
     assert inside.wait(60)
+    return thread
+
+
+def test_a_capture_whose_generator_another_capture_holds_waits_for_it_at_its_first_random_op():
+    inside, release, errors = threading.Event(), threading.Event(), []
+    thread = _hold_the_generator(inside, release, errors)
     try:
         stream = torch.cuda.Stream()
-        with pytest.raises(bg.UncapturableOpError, match="another thread"):
-            with bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph(), stream=stream, capture_error_mode="thread_local"):
-                torch.randn(8, device=DEV)
-        # Without random ops, the second capture works.
+        # Without random ops, a capture beside the holder neither waits nor splits.
         graph = bg.BreakableCUDAGraph()
         with bg.BreakableCUDAGraphCapture(graph, stream=stream, capture_error_mode="thread_local"):
             y = torch.ones(8, device=DEV) * 3
-        graph.replay()
+        assert graph.num_graphs == 1 and not graph.draws_random_numbers
+        with torch.cuda.stream(stream):
+            graph.replay()
+        stream.synchronize()
         assert_close(y, torch.full((8,), 3.0, device=DEV))
+        # With one, it waits for the holder to end its capture, then captures it in a new segment.
+        threading.Timer(0.5, release.set).start()
+        started = time.perf_counter()
+        graph = bg.BreakableCUDAGraph()
+        x = torch.ones(N, device=DEV)
+        with bg.BreakableCUDAGraphCapture(graph, stream=stream, capture_error_mode="thread_local"):
+            doubled = x * 2
+            dropped = F.dropout(doubled, 0.5, training=True) + 1
+        waited = time.perf_counter() - started
     finally:
-        done.set()
+        release.set()
         thread.join()
     assert not errors, errors
+    assert waited >= 0.4 and graph.draws_random_numbers and graph.num_graphs == 2
+    seen = []
+    for _ in range(2):
+        poison_(dropped)
+        with torch.cuda.stream(stream):
+            graph.replay()
+        stream.synchronize()
+        assert set(dropped.unique().tolist()) <= {1.0, 5.0}
+        seen.append(dropped.clone())
+    assert not torch.equal(*seen)
+
+
+def test_a_capture_that_cannot_get_the_generator_in_time_fails_clearly_and_leaves_nothing_behind(monkeypatch):
+    monkeypatch.setattr(recorder, "_ARMING_WAIT_S", 0.2)
+    inside, release, errors = threading.Event(), threading.Event(), []
+    thread = _hold_the_generator(inside, release, errors)
+    try:
+        stream = torch.cuda.Stream()
+        with pytest.raises(bg.UncapturableOpError, match=r"armed by another capture \(waited 0.2 s for it\).*random_ops='break'"):
+            with bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph(), stream=stream, capture_error_mode="thread_local"):
+                torch.randn(8, device=DEV)
+    finally:
+        release.set()
+        thread.join()
+    assert not errors, errors
+    graph, out = capture(lambda: torch.randn(N, device=DEV))  # the generator works for the next capture
+    first = (graph.replay(), out.clone())[1]
+    graph.replay()
+    assert not torch.equal(first, out)
