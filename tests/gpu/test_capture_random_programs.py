@@ -1,4 +1,8 @@
-"""Random programs of ops, random ops, breaks and side-stream work, captured and compared with eager."""
+"""Random programs of ops, random ops, breaks and side-stream work, captured and compared with
+eager: on one thread or two capturing at once, in normal and in debug mode."""
+
+import os
+import threading
 
 import pytest
 import torch
@@ -6,10 +10,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import breakgraph as bg
+from tests.gpu.threads import generator_lock
 from tests.helpers import assert_close, poison_
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
+EXAMPLES = int(os.environ.get("BREAKGRAPH_PROGRAM_EXAMPLES", "30"))
 
 
 @bg.eager_on_graph
@@ -28,8 +34,7 @@ def eager_inplace(x, out):
     return out
 
 
-def _side(x, w):
-    side = _SIDE[0]
+def _side(x, w, side):
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         y = torch.relu(x @ w)
@@ -37,49 +42,94 @@ def _side(x, w):
     return y
 
 
-_SIDE = []
 OPS = {
-    "relu_matmul": lambda x, w, buf: torch.relu(x @ w) / 4,
-    "add": lambda x, w, buf: x + 1.5,
-    "mul": lambda x, w, buf: x * 0.7,
-    "norm": lambda x, w, buf: x / (x.norm(dim=-1, keepdim=True) + 1),
-    "reduce": lambda x, w, buf: x - x.mean(dim=0, keepdim=True),
-    "softmax_break": lambda x, w, buf: eager_softmax(x),
-    "tuple_break": lambda x, w, buf: (lambda r: r["a"] + r["b"][0])(eager_tuple(x)),
-    "inplace_break": lambda x, w, buf: eager_inplace(x, buf) * 2,
-    "split": lambda x, w, buf: (bg.break_graph(), x)[1],
-    "side_stream": lambda x, w, buf: _side(x, w),
-    "dropout": lambda x, w, buf: torch.nn.functional.dropout(x, 0.3, training=True),
-    "noise": lambda x, w, buf: x + torch.randn_like(x) * 0.1,
+    "relu_matmul": lambda x, w, buf, side: torch.relu(x @ w) / 4,
+    "add": lambda x, w, buf, side: x + 1.5,
+    "mul": lambda x, w, buf, side: x * 0.7,
+    "norm": lambda x, w, buf, side: x / (x.norm(dim=-1, keepdim=True) + 1),
+    "reduce": lambda x, w, buf, side: x - x.mean(dim=0, keepdim=True),
+    "softmax_break": lambda x, w, buf, side: eager_softmax(x),
+    "tuple_break": lambda x, w, buf, side: (lambda r: r["a"] + r["b"][0])(eager_tuple(x)),
+    "inplace_break": lambda x, w, buf, side: eager_inplace(x, buf) * 2,
+    "split": lambda x, w, buf, side: (bg.break_graph(), x)[1],
+    "side_stream": lambda x, w, buf, side: _side(x, w, side),
+    "dropout": lambda x, w, buf, side: torch.nn.functional.dropout(x, 0.3, training=True),
+    "noise": lambda x, w, buf, side: x + torch.randn_like(x) * 0.1,
 }
+programs = st.lists(st.sampled_from(sorted(OPS)), min_size=1, max_size=12)
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.sampled_from(sorted(OPS)), min_size=1, max_size=12))
-def test_random_program_matches_eager(program):
-    if not _SIDE:
-        _SIDE.append(torch.cuda.Stream())
-    w = torch.randn(16, 16, device=DEV) / 4
-    x = torch.randn(8, 16, device=DEV)
-    buf = torch.empty(8, 16, device=DEV)
+class Program:
+    """One program's weights, buffers and streams, captured on ``stream``."""
 
-    def run(inp):
-        for name in program:
-            inp = OPS[name](inp, w, buf)
+    def __init__(self, ops):
+        self.ops = ops
+        self.stream, self.side = torch.cuda.Stream(), torch.cuda.Stream()
+        self.w = torch.randn(16, 16, device=DEV) / 4
+        self.x = torch.randn(8, 16, device=DEV)
+        self.buf = torch.empty(8, 16, device=DEV)
+        for stream in (self.stream, self.side):  # cuBLAS makes this thread's handles outside the capture
+            with torch.cuda.stream(stream):
+                self.x @ self.w
+            stream.synchronize()
+
+    def run(self, inp):
+        for name in self.ops:
+            inp = OPS[name](inp, self.w, self.buf, self.side)
         return inp + 0  # a fresh output even when every op passed its input through
 
-    graph = bg.BreakableCUDAGraph()
-    with bg.BreakableCUDAGraphCapture(graph):
-        out = run(x)
-    expected_breaks = sum(name.endswith("break") or name == "split" for name in program)
-    assert graph.num_eager_breaks == expected_breaks
-    for _ in range(2):
-        fresh = torch.randn_like(x)
-        x.copy_(fresh)
-        poison_(out)
-        rng_state = torch.cuda.get_rng_state()
-        graph.replay()
-        torch.cuda.set_rng_state(rng_state)  # eager draws what the replay drew: the same offsets
-        torch.cuda.synchronize()
-        assert_close(out, run(fresh), 1e-4, 1e-4)
-    assert graph.draws_random_numbers == any(name in ("dropout", "noise") for name in program)
+    def capture(self, debug: bool, mode: str = "global"):
+        graph = bg.BreakableCUDAGraph(debug=debug)
+        with bg.BreakableCUDAGraphCapture(graph, stream=self.stream, capture_error_mode=mode):
+            out = self.run(self.x)
+        expected_breaks = sum(name.endswith("break") or name == "split" for name in self.ops)
+        assert graph.num_eager_breaks == expected_breaks
+        assert graph.draws_random_numbers == any(name in ("dropout", "noise") for name in self.ops)
+        return graph, out
+
+    def check(self, graph, out) -> None:
+        """Two replays on fresh inputs, poisoned outputs, eager on the same generator offsets."""
+        for _ in range(2):
+            fresh = torch.randn_like(self.x)
+            with generator_lock, torch.cuda.stream(self.stream):
+                self.x.copy_(fresh)
+                poison_(out)
+                rng_state = torch.cuda.get_rng_state()
+                graph.replay()
+                torch.cuda.set_rng_state(rng_state)  # eager draws what the replay drew: the same offsets
+                expected = self.run(fresh)
+            self.stream.synchronize()
+            assert_close(out, expected, 1e-4, 1e-4)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(programs, st.booleans())
+def test_random_program_matches_eager(ops, debug):
+    program = Program(ops)
+    program.check(*program.capture(debug))
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(programs, programs, st.booleans())
+def test_two_random_programs_captured_at_once_in_two_threads_match_eager(first, second, debug):
+    both = [Program(first), Program(second)]
+    barrier = threading.Barrier(2)
+    errors = []
+
+    def work(program):
+        try:
+            barrier.wait()
+            graph, out = program.capture(debug, mode="thread_local")
+            barrier.wait()  # both captures have ended before either checks
+            program.check(graph, out)
+        except BaseException as error:  # re-raised below
+            errors.append(error)
+            barrier.abort()
+
+    threads = [threading.Thread(target=work, args=(program,)) for program in both]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    real = [error for error in errors if not isinstance(error, threading.BrokenBarrierError)]
+    assert not errors, real or errors
