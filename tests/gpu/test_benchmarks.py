@@ -16,6 +16,7 @@ pytestmark = pytest.mark.gpu
         ("memory", ["memory"]),
         ("capture_time", ["capture_time", "capture_startup"]),
         ("training_step", ["training_step"]),
+        ("soak", ["soak"]),
     ],
 )
 def test_benchmark_quick_run(name, outputs, tmp_path):
