@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -101,16 +102,37 @@ class Worker:
         assert_close(out, expected, 1e-5, 1e-5)
 
 
+def run_together(tasks: list[Callable[[threading.Barrier], None]]) -> None:
+    """Run each task on its own thread, all sharing one barrier to meet at; raise the first
+    error any of them met (a broken barrier only when nothing else went wrong)."""
+    barrier = threading.Barrier(len(tasks))
+    errors: list[BaseException] = []
+
+    def guarded(task) -> None:
+        try:
+            task(barrier)
+        except BaseException as error:  # re-raised below, with the others stopped
+            errors.append(error)
+            barrier.abort()
+
+    threads = [threading.Thread(target=guarded, args=(task,)) for task in tasks]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    real = [error for error in errors if not isinstance(error, threading.BrokenBarrierError)]
+    if errors:
+        raise (real or errors)[0]
+
+
 def capture_concurrently(
     workers: list[Worker], body: Body, mode: str, random_ops: str, rounds: int = 1, debug: bool = False
 ) -> None:
     """Every worker on its own thread, ``rounds`` times in a row: meet, capture at once, meet,
-    check two replays against eager, drop the graph. Raises the first error any thread met."""
-    barrier = threading.Barrier(len(workers))
-    errors: list[BaseException] = []
+    check two replays against eager, drop the graph."""
 
-    def work(worker: Worker) -> None:
-        try:
+    def task(worker: Worker) -> Callable[[threading.Barrier], None]:
+        def work(barrier: threading.Barrier) -> None:
             worker.warm_up(body)
             for _ in range(rounds):
                 barrier.wait()
@@ -119,15 +141,7 @@ def capture_concurrently(
                 for _ in range(2):
                     worker.check(body, graph, out)
                 del graph, out
-        except BaseException as error:  # re-raised below, with the others stopped
-            errors.append(error)
-            barrier.abort()
 
-    threads = [threading.Thread(target=work, args=(worker,)) for worker in workers]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    real = [error for error in errors if not isinstance(error, threading.BrokenBarrierError)]
-    if real or errors:
-        raise (real or errors)[0]
+        return work
+
+    run_together([task(worker) for worker in workers])
