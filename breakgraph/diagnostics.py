@@ -15,10 +15,29 @@ from pathlib import Path
 import torch
 
 import breakgraph_bindings as bindings
+from breakgraph.graph import BreakableCUDAGraph
 from breakgraph.tables import format_table
 
 
+def captured_graph(graph, what: str) -> BreakableCUDAGraph:
+    """``graph`` (or a graphed callable's ``.graph``) once it holds a capture; otherwise an
+    error that says what ``what`` needs."""
+    if not isinstance(graph, BreakableCUDAGraph):
+        inner = getattr(graph, "graph", None)
+        if not isinstance(inner, BreakableCUDAGraph):
+            ran_eagerly = " (this callable runs eagerly: no GPU, or BREAKGRAPH_DISABLE=1)" if hasattr(graph, "graph") else ""
+            raise TypeError(
+                f"{what} needs a BreakableCUDAGraph or a graphed callable (bg.graphed(...)), got "
+                f"{type(graph).__name__}{ran_eagerly}"
+            )
+        graph = inner
+    if not graph.captured:
+        raise RuntimeError(f"{what} needs a captured graph: capture it first")
+    return graph
+
+
 def summary_rows(graph) -> list[dict]:
+    graph = captured_graph(graph, "summary")
     return [
         {
             "index": segment.index,
@@ -34,6 +53,7 @@ def summary_rows(graph) -> list[dict]:
 
 def summary(graph, print_table: bool = True) -> str:
     """A table of ``graph``'s segments: kind, name, nodes, side streams, bytes written back."""
+    graph = captured_graph(graph, "summary")
     table = format_table(summary_rows(graph), ["index", "kind", "name", "nodes", "side_streams", "bytes_written"])
     footer = (
         f"{graph.num_graphs} graph segments, {graph.num_eager_breaks} eager breaks, "
@@ -56,6 +76,7 @@ def to_dot(graph, directory, render: bool = True) -> list[Path]:
     With ``render`` and Graphviz's ``dot`` on the PATH, each file is also
     rendered to SVG. Returns the paths written.
     """
+    graph = captured_graph(graph, "to_dot")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     written = []
@@ -97,8 +118,7 @@ def profile(graph, iters: int = 20, warmup: int = 3) -> list[dict]:
     share of the total. Eager breaks are timed on the GPU too: their time
     includes the GPU idling while the host runs the break.
     """
-    if not graph.captured:
-        raise RuntimeError("profile needs a captured graph: capture it first")
+    graph = captured_graph(graph, "profile")
     segments = graph.segments
     stream = torch.cuda.current_stream(graph.device)
     handle = bindings.stream_handle(stream)

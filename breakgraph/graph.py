@@ -18,7 +18,7 @@ from breakgraph_bindings import CudaError
 from breakgraph import context, debug as debug_mode, recorder, runtime
 from breakgraph.dispatch import clearer_error
 from breakgraph.options import CaptureOptions
-from breakgraph.pool import new_pool
+from breakgraph.pool import new_pool, require_pool
 from breakgraph.segments import Segment
 
 
@@ -33,9 +33,11 @@ class BreakableCUDAGraph:
     """
 
     def __init__(self, pool=None, debug: bool | None = None):
+        if pool is not None:
+            require_pool(pool)
         self._pool = pool
         self._plan: tuple | None = None
-        self.debug = runtime.debug_requested(debug)
+        self.debug = debug  # None: BREAKGRAPH_DEBUG decides
         self.check_finite = False
         self._segments: tuple[Segment, ...] = ()
         self._refill_generators = None
@@ -148,9 +150,7 @@ class BreakableCUDAGraph:
         """Call ``before()`` ahead of every replay and ``after()`` once it is launched (an
         engine syncing its weight offloader, or timing steps). None removes a hook; a hook
         that is not set costs replay nothing: it is not in the replay plan."""
-        for hook in (before, after):
-            if hook is not None and not callable(hook):
-                raise TypeError(f"replay hooks must be callable, got {type(hook).__name__}")
+        check_replay_hooks(before, after)
         self._before_replay, self._after_replay = before, after
         if self.captured:
             self._build_plan()
@@ -199,7 +199,7 @@ class BreakableCUDAGraph:
 
     @debug.setter
     def debug(self, value: bool) -> None:
-        self._debug = bool(value)
+        self._debug = runtime.debug_requested(value)
         if self.captured:
             self._build_plan()
 
@@ -210,6 +210,13 @@ class BreakableCUDAGraph:
 
     def __repr__(self) -> str:
         return f"BreakableCUDAGraph(num_graphs={self.num_graphs}, num_eager_breaks={self.num_eager_breaks})"
+
+
+def check_replay_hooks(before, after) -> None:
+    """Refuse replay hooks that cannot be called."""
+    for name, hook in (("before", before), ("after", after)):
+        if hook is not None and not callable(hook):
+            raise TypeError(f"replay hook {name!r} must be callable or None, got {type(hook).__name__}")
 
 
 def _hook(hook):

@@ -16,7 +16,8 @@ from breakgraph import runtime, trees
 from breakgraph.capture import BreakableCUDAGraphCapture
 from breakgraph.eager import eager_on_graph
 from breakgraph.graph import BreakableCUDAGraph
-from breakgraph.options import CaptureOptions
+from breakgraph.options import CaptureOptions, parse_warmup
+from breakgraph.pool import require_pool
 from breakgraph.writeback import make_writer
 
 
@@ -29,6 +30,8 @@ class GraphedCallable:
     ``BREAKGRAPH_DISABLE=1``, ``graph`` is None: ``fn`` runs once here and at
     every replay, and each result is written into that first output, so the
     contract is the same (one output object, refreshed in place).
+    ``options`` is how the capture treats random ops, breaks and barriers
+    (:class:`~breakgraph.options.CaptureOptions`, parsed where the user gave them).
     """
 
     def __init__(
@@ -36,23 +39,21 @@ class GraphedCallable:
         fn: Callable,
         args: tuple,
         kwargs: dict,
+        options: CaptureOptions = CaptureOptions(),
         *,
         debug: bool | None = None,
         pool=None,
         warmup: int = 1,
-        random_ops: str = "graph",
-        generators=(),
-        breaks: str = "eager",
-        barrier_fn=None,
         warn: bool = True,
     ):
         if not callable(fn):
             raise TypeError(f"expected a callable to capture, got {type(fn).__name__}")
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-            raise ValueError(f"warmup must be a number of eager runs >= 0, got {warmup!r}")
+        warmup = parse_warmup(warmup, allow_auto=False)
+        if pool is not None:
+            require_pool(pool)
         self.fn, self.args, self.kwargs = fn, args, kwargs
         self.debug = runtime.debug_requested(debug)
-        self.options = CaptureOptions.parse(random_ops=random_ops, generators=generators, breaks=breaks, barrier_fn=barrier_fn)
+        self.options = options
         if self.debug:  # the whole function is one eager break, whatever the breaks mode
             self.options = dataclasses.replace(self.options, breaks="eager")
         self.output: Any = None
@@ -84,13 +85,23 @@ class GraphedCallable:
         return self.graph is None
 
     def replay(self):
+        """Re-run ``fn`` on the static arguments (a graph replay, or an eager call without a
+        GPU) and return its output object, refreshed in place."""
         if self.graph is None:
             self._write_eager_result(self.fn(*self.args, **self.kwargs))
         else:
             self.graph.replay()
         return self.output
 
-    __call__ = replay
+    def __call__(self, *args, **kwargs):
+        """:meth:`replay`; it takes no inputs: the graph reads the static arguments it was captured on."""
+        if args or kwargs:
+            raise TypeError(
+                f"a graphed callable takes no arguments: it replays {_name(self.fn)} on the static arguments it "
+                "was captured with. Copy new values into those tensors in place (x.copy_(new)), then call "
+                "step() or step.replay(); for batches whose size changes, use bg.GraphRunner"
+            )
+        return self.replay()
 
 
 def _name(fn: Callable) -> str:
@@ -129,15 +140,5 @@ def graphed(
     GPU, or with ``BREAKGRAPH_DISABLE=1``, replay calls ``fn`` eagerly (one
     warning).
     """
-    return GraphedCallable(
-        fn,
-        static_args,
-        static_kwargs,
-        debug=debug,
-        pool=pool,
-        warmup=warmup,
-        random_ops=random_ops,
-        generators=generators,
-        breaks=breaks,
-        barrier_fn=barrier_fn,
-    )
+    options = CaptureOptions.parse(random_ops=random_ops, generators=generators, breaks=breaks, barrier_fn=barrier_fn)
+    return GraphedCallable(fn, static_args, static_kwargs, options, debug=debug, pool=pool, warmup=warmup)

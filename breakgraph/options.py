@@ -60,9 +60,28 @@ def parse_modes(modes, keys: list) -> dict:
     """Each key's graph mode, from one mode for all or a dict with every key."""
     if isinstance(modes, str):
         modes = dict.fromkeys(keys, modes)
-    if not isinstance(modes, dict) or set(modes) != set(keys):
-        raise ValueError(f"modes must be one of {MODES} or a dict giving each of the keys {keys} one, got {modes!r}")
+    if not isinstance(modes, dict):
+        raise TypeError(f"modes must be one of {MODES} for every key, or a dict of key -> mode; got {modes!r}")
+    if set(modes) != set(keys):
+        declared = (
+            "this runner has the one key None, since it was made without keys=: give one mode for all "
+            "(modes='full'), or declare the keys with keys=[...] and key_fn=..."
+            if keys == [None]
+            else f"this runner's keys (keys=) are {keys}"
+        )
+        raise ValueError(f"modes gives keys {list(modes)}, but {declared}; a dict must give each key exactly one mode")
     for key, mode in modes.items():
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} of key {key!r} is not one of {MODES}")
     return dict(modes)
+
+
+def parse_warmup(warmup, allow_auto: bool) -> int | str:
+    """How many eager runs come before a capture: a whole number >= 0, or (for a runner)
+    "auto"."""
+    if allow_auto and warmup == "auto":
+        return warmup
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        choices = "'auto' or a number of eager runs >= 0" if allow_auto else "a number of eager runs >= 0"
+        raise ValueError(f"warmup must be {choices}, got {warmup!r}")
+    return warmup

@@ -45,7 +45,7 @@ class PoolUsage:
 
     @classmethod
     def of(cls, pool) -> "PoolUsage":
-        _require_pool(pool)
+        require_pool(pool)
         pool_id = tuple(pool.id)
         return cls(tuple(segment for segment in _allocator_segments() if tuple(segment["segment_pool_id"]) == pool_id))
 
@@ -74,9 +74,10 @@ def pool_bytes(pool) -> int:
     return PoolUsage.of(pool).reserved_bytes
 
 
-def _require_pool(pool) -> None:
+def require_pool(pool) -> None:
+    """Refuse anything but a ``torch.cuda.MemPool``, saying where one comes from."""
     if not isinstance(pool, torch.cuda.MemPool):
+        hint = "; a GraphRunner has a pool once it has captured (runner.capture())" if pool is None else ""
         raise TypeError(
-            f"expected a torch.cuda.MemPool (a BreakableCUDAGraph's or GraphRunner's .pool), got "
-            f"{type(pool).__name__}; a GraphRunner has a pool once it has captured (runner.capture())"
+            f"expected a torch.cuda.MemPool (a BreakableCUDAGraph's or GraphRunner's .pool), got {type(pool).__name__}{hint}"
         )

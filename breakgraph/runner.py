@@ -13,11 +13,11 @@ import torch
 from breakgraph import runtime
 from breakgraph.batches import StaticInputs, live_rows
 from breakgraph.tables import format_table
-from breakgraph.graph import BreakableCUDAGraph
+from breakgraph.graph import BreakableCUDAGraph, check_replay_hooks
 from breakgraph.graphed import GraphedCallable
 from breakgraph.pool import new_pool, pool_bytes
 from breakgraph.dispatch import UncapturableOpError, is_capture_violation
-from breakgraph.options import CaptureOptions, parse_modes
+from breakgraph.options import CaptureOptions, parse_modes, parse_warmup
 from breakgraph.sizes import choose_size, default_capture_sizes, validate_capture_sizes
 
 log = logging.getLogger("breakgraph.runner")
@@ -107,19 +107,15 @@ class GraphRunner:
             key: validate_capture_sizes(capture_sizes[key], self.max_size) if self.modes[key] != "none" else []
             for key in self.keys
         }
-        if warmup != "auto" and (isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0):
-            raise ValueError(f"warmup must be 'auto' or a number of eager runs >= 0, got {warmup!r}")
+        self.warmup = parse_warmup(warmup, allow_auto=True)
         self.key_fn = key_fn
         self.pad_value = pad_value
         self.clone = clone
-        self.warmup = warmup
         self.lazy = lazy
         self.progress = progress
         self.debug = runtime.debug_requested(debug)
         self.options = CaptureOptions.parse(random_ops=random_ops, generators=generators, barrier_fn=barrier_fn)
-        for hook in (before_replay, after_replay):
-            if hook is not None and not callable(hook):
-                raise TypeError(f"before_replay and after_replay must be callable, got {type(hook).__name__}")
+        check_replay_hooks(before_replay, after_replay)
         self.replay_hooks = {"before": before_replay, "after": after_replay}
         if on_capture_error not in ("raise", "eager"):
             raise ValueError(f"on_capture_error must be 'raise' or 'eager', got {on_capture_error!r}")
@@ -198,13 +194,9 @@ class GraphRunner:
         return graphed
 
     def _graphed_at(self, key: Hashable, size: int, warmup: int) -> GraphedCallable:
-        args, kwargs = self.inputs.arguments(self.inputs.views(size), {} if key is None else {"key": key})
-        breaks = "inline" if self.modes[key] == "full" else "eager"
-        options = dataclasses.replace(self.options, breaks=breaks).arguments()
-        del options["capture_error_mode"]
-        graphed = GraphedCallable(
-            self.fn, args, kwargs, debug=self.debug, pool=self.pool, warmup=warmup, warn=False, **options
-        )
+        args, kwargs = self._arguments(self.inputs.views(size), key)
+        options = dataclasses.replace(self.options, breaks="inline" if self.modes[key] == "full" else "eager")
+        graphed = GraphedCallable(self.fn, args, kwargs, options, debug=self.debug, pool=self.pool, warmup=warmup, warn=False)
         graphed.graph.set_replay_hooks(**self.replay_hooks)
         return graphed
 
@@ -229,8 +221,7 @@ class GraphRunner:
             if self.eager_reason is None and not self._logged_eager:
                 log.debug("batch of %d rows fits no captured size: running eagerly", n)
                 self._logged_eager = True
-            call_args, call_kwargs = self.inputs.arguments(inputs, {} if self.key_fn is None else {"key": candidates[0]})
-            return self.fn(*call_args, **call_kwargs)
+            return self._run_eagerly(inputs, candidates[0])
         key, size = chosen
         self.inputs.fill(live, size, self.pad_value)
         graphed = self._graphed.get((key, size))
@@ -242,16 +233,24 @@ class GraphRunner:
                 torch.cuda.current_stream().synchronize()
                 self._first_use_seconds[(key, size)] = time.perf_counter() - started
         if graphed is None:  # its capture failed: the same padded buffers, eagerly
-            call_args, call_kwargs = self.inputs.arguments(self.inputs.views(size), {} if key is None else {"key": key})
-            output = self.fn(*call_args, **call_kwargs)
+            output = self._run_eagerly(self.inputs.views(size), key)
         else:
             output = graphed.replay()
         return live_rows(output, size, n, self.clone)
 
+    def _arguments(self, inputs, key: Hashable) -> tuple[tuple, dict]:
+        """How ``fn`` is called on ``inputs``: shaped like the static inputs, and ``key=`` when
+        the runner has keys (``key`` is None otherwise)."""
+        return self.inputs.arguments(inputs, {} if key is None else {"key": key})
+
+    def _run_eagerly(self, inputs, key: Hashable):
+        args, kwargs = self._arguments(inputs, key)
+        return self.fn(*args, **kwargs)
+
     def _candidates(self, inputs) -> list[Hashable]:
         if self.key_fn is None:
             return [None]
-        key_args, key_kwargs = self.inputs.arguments(inputs, {})
+        key_args, key_kwargs = self._arguments(inputs, None)
         keys = self.key_fn(*key_args, **key_kwargs)
         return list(keys) if isinstance(keys, (list, tuple)) else [keys]
 

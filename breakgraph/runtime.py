@@ -12,6 +12,7 @@ import functools
 import gc
 import os
 import threading
+import warnings
 from typing import Callable, TypeVar
 
 import torch
@@ -27,7 +28,11 @@ def _env_flag(name: str) -> bool:
 
 def debug_requested(explicit: bool | None = None) -> bool:
     """``explicit`` when given, else ``BREAKGRAPH_DEBUG=1``."""
-    return _env_flag("BREAKGRAPH_DEBUG") if explicit is None else bool(explicit)
+    if explicit is None:
+        return _env_flag("BREAKGRAPH_DEBUG")
+    if not isinstance(explicit, bool):
+        raise TypeError(f"debug must be True, False or None (None: BREAKGRAPH_DEBUG=1 decides), got {explicit!r}")
+    return explicit
 
 
 def capture_disabled() -> bool:
@@ -35,9 +40,26 @@ def capture_disabled() -> bool:
     return _env_flag("BREAKGRAPH_DISABLE")
 
 
+def cuda_mismatch(torch_cuda: str | None, bindings_version: str) -> str | None:
+    """What to install when cuda-bindings is built for another CUDA major version than torch
+    (``torch.version.cuda``), in words a user can act on; None when they match or torch
+    has no CUDA."""
+    if not torch_cuda:
+        return None
+    torch_major, bindings_major = torch_cuda.split(".")[0], bindings_version.split(".")[0]
+    if torch_major == bindings_major:
+        return None
+    return (
+        f"torch {torch.__version__} is built for CUDA {torch_cuda}, but cuda-bindings {bindings_version} is for "
+        f"CUDA {bindings_major}: pip install 'cuda-bindings=={torch_major}.*' (or breakgraph[cu{torch_major}])"
+    )
+
+
 @functools.cache
 def cuda_problem() -> str | None:
-    """Why breakgraph cannot use a GPU here, in words a user can act on; None when it can."""
+    """Why breakgraph cannot use a GPU here, in words a user can act on; None when it can.
+    A cuda-bindings release for another CUDA major than torch's is named once, as a warning,
+    when the GPU works anyway (a driver new enough for both)."""
     if not torch.cuda.is_available():
         return "no CUDA GPU is available"
     import breakgraph_bindings as bindings
@@ -53,6 +75,9 @@ def cuda_problem() -> str | None:
             f"but cuda-bindings {bindings_version} cannot use them ({error}); install the cuda-bindings "
             f"release that matches torch's CUDA{fix}"
         )
+    mismatch = cuda_mismatch(torch.version.cuda, bindings_version)
+    if mismatch is not None:
+        warnings.warn(f"breakgraph: {mismatch}; mixing CUDA major versions is untested", stacklevel=2)
     return None
 
 

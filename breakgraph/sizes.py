@@ -8,6 +8,10 @@ from typing import Sequence
 
 def default_capture_sizes(max_size: int) -> list[int]:
     """The engines' habit: 1, 2, 4, 8, then every multiple of 8 up to ``max_size`` (itself included)."""
+    if isinstance(max_size, bool) or not isinstance(max_size, int):
+        raise TypeError(f"max_size must be a whole number of rows (the largest batch to capture), got {max_size!r}")
+    if max_size < 1:
+        raise ValueError(f"max_size must be at least 1 (the largest batch to capture), got {max_size}")
     sizes = [s for s in (1, 2, 4, 8) if s <= max_size] + list(range(16, max_size + 1, 8))
     if max_size not in sizes:
         sizes.append(max_size)

@@ -1,9 +1,34 @@
-"""Diagnostics that need no GPU: the profile table."""
+"""Diagnostics that need no GPU: the profile table, and what each function refuses."""
 
+import warnings
+
+import pytest
+import torch
+
+import breakgraph as bg
+from breakgraph import diagnostics
 from breakgraph.diagnostics import format_profile
+from breakgraph.runtime import cuda_available
 
 
 def test_profile_table_has_timing_columns():
     rows = [{"index": 0, "kind": "graph", "name": "g", "mean_us": 1.5, "p50_us": 1.4, "p99_us": 2.0, "share": 1.0}]
     header = format_profile(rows).splitlines()[0].split()
     assert header == ["index", "kind", "name", "mean_us", "p50_us", "p99_us", "share"]
+
+
+@pytest.mark.parametrize("function", [diagnostics.summary, diagnostics.profile, lambda g: diagnostics.to_dot(g, "unused")])
+def test_diagnostics_of_something_that_is_not_a_graph_say_what_they_need(function):
+    with pytest.raises(TypeError, match=r"needs a BreakableCUDAGraph or a graphed callable \(bg.graphed\(...\)\), got int"):
+        function(42)
+    with pytest.raises(RuntimeError, match="needs a captured graph: capture it first"):
+        function(bg.BreakableCUDAGraph())
+
+
+@pytest.mark.skipif(cuda_available(), reason="checks the no-GPU fallback")
+def test_diagnostics_of_a_callable_that_runs_eagerly_say_so():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step = bg.graphed(lambda x: x + 1, torch.ones(2))
+    with pytest.raises(TypeError, match="this callable runs eagerly"):
+        diagnostics.summary(step)

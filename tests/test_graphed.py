@@ -73,3 +73,34 @@ def test_disable_env_forces_eager(monkeypatch):
     with pytest.warns(UserWarning, match="BREAKGRAPH_DISABLE=1"):
         g = bg.graphed(lambda x: x + 1, torch.ones(2))
     assert g.eager and torch.equal(g.replay(), torch.full((2,), 2.0)) and g.replay() is g.output
+
+
+def test_calling_a_graphed_callable_with_new_inputs_says_to_refill_them_in_place():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step = bg.graphed(lambda x: x * 2, torch.ones(3), warmup=0)
+    with pytest.raises(TypeError, match=r"takes no arguments.*x\.copy_\(new\).*bg\.GraphRunner"):
+        step(torch.randn(3))
+    with pytest.raises(TypeError, match="takes no arguments"):
+        step(x=torch.randn(3))
+    assert step() is step.output  # called bare, it replays
+
+
+@pytest.mark.parametrize("debug", ["yes", 1, "0"])
+def test_debug_must_be_a_bool_or_none_everywhere(debug):
+    with pytest.raises(TypeError, match="debug must be True, False or None"):
+        bg.BreakableCUDAGraph(debug=debug)
+    with pytest.raises(TypeError, match="debug must be True, False or None"):
+        bg.graphed(lambda x: x, torch.ones(2), debug=debug)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(TypeError, match="debug must be True, False or None"):
+            bg.GraphRunner(lambda x: x, torch.ones(4, 2), debug=debug)
+
+
+@pytest.mark.parametrize("pool", [42, "pool", object()])
+def test_a_pool_that_is_not_a_mempool_is_refused(pool):
+    with pytest.raises(TypeError, match=r"expected a torch.cuda.MemPool \(a BreakableCUDAGraph's or GraphRunner's .pool\)"):
+        bg.BreakableCUDAGraph(pool=pool)
+    with pytest.raises(TypeError, match="expected a torch.cuda.MemPool"):
+        bg.graphed(lambda x: x, torch.ones(2), pool=pool)

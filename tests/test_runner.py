@@ -82,7 +82,11 @@ def test_runner_modes_are_checked():
         warnings.simplefilter("ignore")
         with pytest.raises(ValueError, match="not one of"):
             bg.GraphRunner(lambda x: x, torch.zeros(4, 2), modes="fast")
-        with pytest.raises(ValueError, match="each of the keys"):
+        with pytest.raises(ValueError, match=r"modes gives keys \['a'\], but this runner's keys \(keys=\) are \['a', 'b'\]"):
             bg.GraphRunner(lambda x, key: x, torch.zeros(4, 2), keys=["a", "b"], key_fn=lambda x: ["a"], modes={"a": "full"})
+        with pytest.raises(ValueError, match=r"one key None, since it was made without keys=: give one mode for all"):
+            bg.GraphRunner(lambda x: x, torch.zeros(4, 2), modes={"x": "full"})
+        with pytest.raises(TypeError, match="modes must be one of"):
+            bg.GraphRunner(lambda x: x, torch.zeros(4, 2), modes=["full"])
         runner = bg.GraphRunner(lambda x, key: x, torch.zeros(4, 2), keys=["a", "b"], key_fn=lambda x: ["a", "b"], modes={"a": "none", "b": "full"})
     assert runner.select(2, ["a", "b"]) == ("b", 2)  # a key with mode "none" has no graphs

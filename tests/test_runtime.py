@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 import breakgraph as bg
 from breakgraph import runtime
 
@@ -34,6 +36,39 @@ def test_a_driver_that_cuda_bindings_cannot_use_is_explained(monkeypatch):
         problem = runtime.eager_fallback_reason()
         assert "cudaErrorInsufficientDriver" in problem and "pip install 'cuda-bindings==12.*'" in problem
         assert not runtime.cuda_available()
+    finally:
+        monkeypatch.undo()
+        runtime.cuda_problem.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "torch_cuda, bindings_version, expected",
+    [
+        ("12.8", "13.5.0", "pip install 'cuda-bindings==12.*' (or breakgraph[cu12])"),
+        ("13.0", "12.9.1", "pip install 'cuda-bindings==13.*' (or breakgraph[cu13])"),
+        ("13.0", "13.3.1", None),
+        ("12.8", "12.9.0", None),
+        (None, "13.5.0", None),  # a CPU build of torch: nothing to match
+    ],
+)
+def test_a_cuda_bindings_release_for_another_cuda_major_is_named(torch_cuda, bindings_version, expected):
+    message = runtime.cuda_mismatch(torch_cuda, bindings_version)
+    if expected is None:
+        assert message is None
+    else:
+        assert expected in message and f"cuda-bindings {bindings_version} is for CUDA" in message
+
+
+def test_a_mismatch_that_still_works_is_a_warning_not_an_eager_fallback(monkeypatch):
+    import breakgraph_bindings as bindings
+
+    monkeypatch.setattr(runtime.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(runtime.torch.version, "cuda", "11.8")
+    monkeypatch.setattr(bindings, "probe_devices", lambda: None)
+    runtime.cuda_problem.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match=r"built for CUDA 11.8.*pip install 'cuda-bindings==11.\*'"):
+            assert runtime.cuda_problem() is None
     finally:
         monkeypatch.undo()
         runtime.cuda_problem.cache_clear()

@@ -55,3 +55,12 @@ def test_validation_accepts_exactly_strictly_increasing_positive_lists(sizes):
     else:
         with pytest.raises(ValueError):
             validate_capture_sizes(sizes, 512)
+
+
+@pytest.mark.parametrize(
+    "max_size, error, words",
+    [(0, ValueError, "at least 1"), (-5, ValueError, "at least 1"), ("8", TypeError, "whole number"), (True, TypeError, "whole number"), (8.0, TypeError, "whole number")],
+)
+def test_default_sizes_of_a_wrong_maximum_say_what_is_needed(max_size, error, words):
+    with pytest.raises(error, match=f"max_size must be .*{words}"):
+        default_capture_sizes(max_size)
