@@ -5,6 +5,8 @@ breaks, so the few parts of a model that cannot be captured run eagerly
 while the rest keeps the launch-overhead savings of graphs.
 """
 
+__version__ = "0.1.0"
+
 from breakgraph_bindings import CudaError
 from breakgraph.breaks import LifetimeWarning
 from breakgraph.capture import BreakableCUDAGraphCapture

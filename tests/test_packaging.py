@@ -1,5 +1,6 @@
 """How breakgraph installs: its bindings cannot be shadowed, and a wheel holds the layout imports expect."""
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -49,3 +50,44 @@ def test_a_wheel_installs_breakgraph_and_breakgraph_bindings_and_they_import(tmp
     run = subprocess.run([sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(site)!r}); {code}"], capture_output=True, text=True, cwd=tmp_path)
     assert run.returncode == 0, run.stderr
     assert all(line.startswith(str(site)) for line in run.stdout.split())
+
+
+def _readme_command(name: str) -> str:
+    """The README's one-line command that ends with ``name``."""
+    readme = (ROOT / "README.md").read_text()
+    (line,) = [line for line in readme.splitlines() if line.startswith("python3 -m pip install -e") and line.endswith(name)]
+    return line
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    assert _readme_command("python3 -m pytest -q") in (ROOT / ".ci" / "run").read_text()
+    assert "editable_mode=strict" in _readme_command("python3 -m breakgraph demo")
+
+
+def test_an_editable_install_imports_from_the_folder_that_holds_the_checkout(tmp_path):
+    """A clone named breakgraph/, installed editable as the README says, then Python run in the
+    folder above it: that folder's breakgraph/ (the checkout, no __init__.py) must not be
+    imported as an empty namespace package ahead of the installed breakgraph."""
+    from setuptools import __version__ as setuptools_version
+
+    if int(setuptools_version.split(".")[0]) < 77:
+        pytest.skip("this environment's setuptools is older than the build needs")
+    clone = tmp_path / "breakgraph"
+    shutil.copytree(ROOT, clone, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", ".*cache*", ".hypothesis", "results", ".scratch", ".whl"))
+    venv = tmp_path / "venv"
+    # --without-pip and system site-packages: torch and setuptools from this environment, no network.
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    flags = _readme_command("python3 -m pytest -q").split("&&")[0].split('".[test,plot]"')[1].split()
+    install = subprocess.run(
+        [python, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "-e", str(clone), *flags],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert install.returncode == 0, install.stdout + install.stderr
+    code = "import breakgraph as bg, breakgraph_bindings as b; bg.graphed; print(bg.__file__); print(b.__file__)"
+    run = subprocess.run([python, "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    engine, bindings = (Path(line) for line in run.stdout.split())
+    assert clone in engine.parents and clone in bindings.parents  # this clone's code, through the install
