@@ -244,34 +244,46 @@ def test_random_ops_break_mode_makes_each_random_op_a_break():
     assert not torch.equal(first, noise)
 
 
-def _hold_the_generator(inside: threading.Event, release: threading.Event, errors: list) -> threading.Thread:
-    """A thread whose capture arms the default generator and keeps it until ``release``."""
+class Holder:
+    """A thread whose capture arms the default generator and keeps it until ``release`` is set.
 
-    def holder():
+    Its graph is replayed only by :meth:`check`, after the thread has ended and the other
+    capture with it: on torch 2.11 a graph that draws cannot replay while another capture
+    holds its generator armed (torch refuses the offset increment).
+    """
+
+    def __init__(self):
+        self.inside, self.release, self.errors = threading.Event(), threading.Event(), []
+        self.thread = threading.Thread(target=self._capture)
+        self.thread.start()
+        assert self.inside.wait(60)
+
+    def _capture(self) -> None:
         try:
-            stream = torch.cuda.Stream()
-            graph = bg.BreakableCUDAGraph()
-            with bg.BreakableCUDAGraphCapture(graph, stream=stream, capture_error_mode="thread_local"):
-                noise = torch.randn(N, device=DEV)
-                inside.set()
-                release.wait(60)
-            with torch.cuda.stream(stream):
-                graph.replay()
-            stream.synchronize()
-            assert noise.std().item() > 0.9
-        except BaseException as error:  # pragma: no cover - reported by the test
-            errors.append(error)
-            inside.set()
+            self.stream = torch.cuda.Stream()
+            self.graph = bg.BreakableCUDAGraph()
+            with bg.BreakableCUDAGraphCapture(self.graph, stream=self.stream, capture_error_mode="thread_local"):
+                self.noise = torch.randn(N, device=DEV)
+                self.inside.set()
+                self.release.wait(60)
+        except BaseException as error:  # pragma: no cover - reported by check()
+            self.errors.append(error)
+            self.inside.set()
 
-    thread = threading.Thread(target=holder)
-    thread.start()
-    assert inside.wait(60)
-    return thread
+    def join(self) -> None:
+        self.release.set()
+        self.thread.join()
+
+    def check(self) -> None:
+        assert not self.errors, self.errors
+        with torch.cuda.stream(self.stream):
+            self.graph.replay()
+        self.stream.synchronize()
+        assert self.noise.std().item() > 0.9
 
 
 def test_a_capture_whose_generator_another_capture_holds_waits_for_it_at_its_first_random_op():
-    inside, release, errors = threading.Event(), threading.Event(), []
-    thread = _hold_the_generator(inside, release, errors)
+    holder = Holder()
     try:
         stream = torch.cuda.Stream()
         # Without random ops, a capture beside the holder neither waits nor splits.
@@ -284,7 +296,7 @@ def test_a_capture_whose_generator_another_capture_holds_waits_for_it_at_its_fir
         stream.synchronize()
         assert_close(y, torch.full((8,), 3.0, device=DEV))
         # With one, it waits for the holder to end its capture, then captures it in a new segment.
-        threading.Timer(0.5, release.set).start()
+        threading.Timer(0.5, holder.release.set).start()
         started = time.perf_counter()
         graph = bg.BreakableCUDAGraph()
         x = torch.ones(N, device=DEV)
@@ -293,9 +305,8 @@ def test_a_capture_whose_generator_another_capture_holds_waits_for_it_at_its_fir
             dropped = F.dropout(doubled, 0.5, training=True) + 1
         waited = time.perf_counter() - started
     finally:
-        release.set()
-        thread.join()
-    assert not errors, errors
+        holder.join()
+    holder.check()
     assert waited >= 0.4 and graph.draws_random_numbers and graph.num_graphs == 2
     seen = []
     for _ in range(2):
@@ -310,17 +321,15 @@ def test_a_capture_whose_generator_another_capture_holds_waits_for_it_at_its_fir
 
 def test_a_capture_that_cannot_get_the_generator_in_time_fails_clearly_and_leaves_nothing_behind(monkeypatch):
     monkeypatch.setattr(recorder, "_ARMING_WAIT_S", 0.2)
-    inside, release, errors = threading.Event(), threading.Event(), []
-    thread = _hold_the_generator(inside, release, errors)
+    holder = Holder()
     try:
         stream = torch.cuda.Stream()
         with pytest.raises(bg.UncapturableOpError, match=r"armed by another capture \(waited 0.2 s for it\).*random_ops='break'"):
             with bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph(), stream=stream, capture_error_mode="thread_local"):
                 torch.randn(8, device=DEV)
     finally:
-        release.set()
-        thread.join()
-    assert not errors, errors
+        holder.join()
+    holder.check()
     graph, out = capture(lambda: torch.randn(N, device=DEV))  # the generator works for the next capture
     first = (graph.replay(), out.clone())[1]
     graph.replay()
