@@ -149,21 +149,36 @@ class Recorder:
 
     def _arm_between_segments(self, what: str) -> None:
         """Arm the generators for the rest of the capture once the capture that held them
-        at the start releases them; between two segments, so no capture of ours is open."""
+        at the start releases them: between two segments, so no capture of ours is open.
+
+        A full graph cannot split for that; a capture with ``barrier_fn`` splits but does
+        not wait (its peers may be waiting for it at their barrier).
+        """
         self.arm_when_free = False
+        fixes = (
+            "on torch 2.11 a generator serves one capture at a time. Let the other capture end first, "
+            "capture this one with random_ops='break' (each random op an eager break), or move the op "
+            "into an @breakgraph.eager_on_graph function."
+        )
+        if self.inline:
+            raise UncapturableOpError(
+                f"{what} draws random numbers, but another capture holds the CUDA generator armed, and a "
+                f"full-graph capture cannot split to wait for it: {fixes}"
+            )
         self.end_segment(following="arming generators")
+        wait = _ARMING_WAIT_S if self.barrier is None else 0.0
+        busy = None
         try:
             self.random = rng.ArmedGenerators.off_thread(
-                self.stream.device, self.options.generators, self.random_stream, self.stream, wait=_ARMING_WAIT_S
+                self.stream.device, self.options.generators, self.random_stream, self.stream, wait=wait
             )
-        except rng.GeneratorBusy as busy:
-            raise UncapturableOpError(
-                f"{what} draws random numbers, but {busy}: on torch 2.11 a generator serves one capture "
-                "at a time. Let the other capture end first, capture this one with random_ops='break' "
-                "(each random op an eager break), or move the op into an @breakgraph.eager_on_graph function."
-            ) from None
+        except rng.GeneratorBusy as error:
+            busy = error
         self._previous = "arming generators"
-        self.begin_segment()
+        self.begin_segment()  # the capture stays whole, also when the caller goes on after the error
+        if busy is not None:
+            peers = "" if wait else " (a capture with barrier_fn does not wait: its peers may be waiting for it)"
+            raise UncapturableOpError(f"{what} draws random numbers, but {busy}{peers}: {fixes}")
 
     def _run_inline(self, name: str, function: Callable, inline, args: tuple, kwargs: dict) -> Any:
         fix = "capture with breaks='eager' (the breakable mode) for this key"

@@ -10,6 +10,7 @@ import torch
 import breakgraph_bindings as bindings
 import breakgraph as bg
 from breakgraph.pool import PoolUsage
+from breakgraph.runtime import capture_stream, run_on_stream
 from tests.helpers import assert_close, check_against_eager, poison_
 
 pytestmark = pytest.mark.gpu
@@ -387,6 +388,9 @@ def test_pool_shared_within_and_across_graphs_and_kept_across_reset():
 def test_reset_and_recapture_many_times_does_not_grow_memory():
     graph = bg.BreakableCUDAGraph()
     x = torch.randn(64, 64, device=DEV)
+    # Warm up on the capture stream: cuBLAS's handle and workspace are not the capture's to make.
+    run_on_stream(capture_stream(x.device), lambda: softmax_eager(x @ x))
+    torch.cuda.synchronize()
     sizes = []
     for cycle in range(200):
         with bg.BreakableCUDAGraphCapture(graph):

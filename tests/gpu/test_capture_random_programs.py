@@ -67,6 +67,7 @@ class Program:
         self.w = torch.randn(16, 16, device=DEV) / 4
         self.x = torch.randn(8, 16, device=DEV)
         self.buf = torch.empty(8, 16, device=DEV)
+        self.inputs = torch.Generator(device=DEV).manual_seed(len(ops))  # fresh inputs, apart from the default generator
 
     def warm_up(self) -> None:
         """On the capturing thread: cuBLAS makes a handle per thread, and a workspace per
@@ -93,15 +94,15 @@ class Program:
     def check(self, graph, out) -> None:
         """Two replays on fresh inputs, poisoned outputs, eager on the same generator offsets."""
         for _ in range(2):
-            fresh = torch.randn_like(self.x)
             with generator_lock, torch.cuda.stream(self.stream):
+                fresh = torch.randn(self.x.shape, device=DEV, generator=self.inputs)
                 self.x.copy_(fresh)
                 poison_(out)
                 rng_state = torch.cuda.get_rng_state()
                 graph.replay()
                 torch.cuda.set_rng_state(rng_state)  # eager draws what the replay drew: the same offsets
                 expected = self.run(fresh)
-            self.stream.synchronize()
+                self.stream.synchronize()
             assert_close(out, expected, 1e-4, 1e-4)
 
 

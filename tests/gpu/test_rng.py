@@ -334,3 +334,24 @@ def test_a_capture_that_cannot_get_the_generator_in_time_fails_clearly_and_leave
     first = (graph.replay(), out.clone())[1]
     graph.replay()
     assert not torch.equal(first, out)
+
+
+@pytest.mark.parametrize(
+    "capture_kwargs, words",
+    [
+        ({"breaks": "inline"}, "a full-graph capture cannot split to wait for it"),
+        ({"barrier_fn": lambda: None}, "a capture with barrier_fn does not wait"),
+    ],
+)
+def test_captures_that_must_not_wait_for_the_generator_fail_at_once(capture_kwargs, words):
+    holder = Holder()
+    try:
+        stream = torch.cuda.Stream()
+        started = time.perf_counter()
+        with pytest.raises(bg.UncapturableOpError, match=words):
+            with bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph(), stream=stream, capture_error_mode="thread_local", **capture_kwargs):
+                torch.randn(8, device=DEV)
+        assert time.perf_counter() - started < 5  # no wait for the holder (it holds for up to 60 s)
+    finally:
+        holder.join()
+    holder.check()

@@ -65,6 +65,9 @@ class Worker:
         self.factor = 1.5 + index
         self.stream = torch.cuda.Stream()
         self.side = torch.cuda.Stream()
+        # Fresh inputs come from a generator of this worker's own: draws from the default one
+        # would move it between another worker's replay and its eager twin.
+        self.inputs = torch.Generator(device=DEV).manual_seed(index)
         with torch.cuda.stream(self.stream):
             self.x = torch.randn(width, device=DEV)
             self.buf = torch.empty(width, device=DEV)
@@ -84,21 +87,25 @@ class Worker:
 
     def check(self, body: Body, graph, out) -> None:
         """Replay on fresh input with a poisoned output, compared with eager on the same
-        generator offsets (under :data:`generator_lock` when the body draws random numbers)."""
-        fresh = torch.randn_like(self.x)
+        generator offsets. A body that draws random numbers is checked under
+        :data:`generator_lock`, replay and eager twin both, until its stream is done: every
+        graph that draws reads the generator's one seed/offset pair (torch 2.11)."""
         with torch.cuda.stream(self.stream):
+            fresh = torch.randn(self.x.shape, device=DEV, generator=self.inputs)
             self.x.copy_(fresh)
             poison_(out)
-            if not body.dropout:
-                graph.replay()
-                expected = body.eager(fresh, self.factor)
         if body.dropout:
             with generator_lock, torch.cuda.stream(self.stream):
                 state = torch.cuda.get_rng_state()
                 graph.replay()
                 torch.cuda.set_rng_state(state)
                 expected = body.eager(fresh, self.factor)
-        self.stream.synchronize()
+                self.stream.synchronize()
+        else:
+            with torch.cuda.stream(self.stream):
+                graph.replay()
+                expected = body.eager(fresh, self.factor)
+            self.stream.synchronize()
         assert_close(out, expected, 1e-5, 1e-5)
 
 
