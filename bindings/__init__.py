@@ -10,7 +10,7 @@ other project uses, so no ``bindings`` package or folder elsewhere shadows it.
 """
 
 from .errors import CudaError, check, clear_last_error
-from .streams import create_stream, stream_handle, synchronize
+from .streams import stream_handle, synchronize
 from .capture import (
     CaptureInfo,
     CaptureMode,
@@ -35,7 +35,6 @@ __all__ = [
     "capture_status",
     "check",
     "clear_last_error",
-    "create_stream",
     "device_count",
     "end_capture",
     "exchange_capture_mode",

@@ -32,12 +32,3 @@ def stream_handle(stream) -> cudart.cudaStream_t:
 def synchronize(stream) -> None:
     """Wait for all work on ``stream`` (``cudaStreamSynchronize``); errors name the CUDA error."""
     check(cudart.cudaStreamSynchronize(stream_handle(stream)), "cudaStreamSynchronize")
-
-
-def create_stream() -> int:
-    """A new non-blocking stream of the current device, its own and nobody else's
-    (``cudaStreamCreateWithFlags``), as an integer handle; it lives as long as the process."""
-    handle = check(
-        cudart.cudaStreamCreateWithFlags(cudart.cudaStreamNonBlocking), "cudaStreamCreateWithFlags"
-    )
-    return int(handle)

@@ -215,9 +215,9 @@ class Recorder:
     def abort(self) -> None:
         """End a half-done capture, destroy what it made and close its scope; never raises
         (the error that caused the abort is the one to report)."""
-        began, self.segment_open = self.segment_open, False
-        try:  # only a capture this recorder began: the stream may be another capture's
-            if began and bindings.capture_status(self.stream) is not bindings.CaptureStatus.NONE:
+        self.segment_open = False
+        try:
+            if bindings.capture_status(self.stream) is not bindings.CaptureStatus.NONE:
                 bindings.end_capture(self.stream).destroy()
         except CudaError:
             pass  # an invalidated capture: ending it failed, and the stream has left capture mode
@@ -250,7 +250,7 @@ def start(pool, stream: torch.cuda.Stream, options: CaptureOptions, record_addre
                 _warn_uncooperative()
                 watch = True
             else:
-                recorder.random_stream = runtime.own_stream(stream.device)  # used only under the generator claim
+                recorder.random_stream = runtime.side_stream(stream.device, "random numbers")
                 try:  # before pool routing: torch keeps the generators' device state outside our pool
                     recorder.random = rng.ArmedGenerators(stream.device, options.generators, recorder.random_stream, stream)
                 except rng.GeneratorBusy:  # held by another capture: the first random op waits for it

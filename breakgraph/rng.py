@@ -118,10 +118,6 @@ class ArmedGenerators:
                 self._keeper.capture_begin(capture_error_mode="relaxed")  # arms every registered generator
             bindings.end_capture(side_stream).destroy()  # ...and leaves no capture open
         except BaseException:
-            if getattr(self, "_keeper", None) is not None:  # begun: torch must end it, or its pool routing stays
-                self._armed = [gen.graphsafe_get_state() for gen in self.generators]
-                with contextlib.suppress(Exception):
-                    self.disarm(keep=False)  # releases the generators
             _release(self.generators)
             raise
         self._armed = [gen.graphsafe_get_state() for gen in self.generators]

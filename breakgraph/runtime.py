@@ -127,24 +127,6 @@ def side_stream(device: torch.device, purpose: str) -> torch.cuda.Stream:
     return stream
 
 
-_own_streams: dict[int, torch.cuda.ExternalStream] = {}
-_own_streams_lock = threading.Lock()
-
-
-def own_stream(device: torch.device) -> torch.cuda.ExternalStream:
-    """A stream of ``device`` that only breakgraph uses, one per process (where the
-    generators are armed). Not from torch's pool of 32 streams, which hands the same
-    stream out again: a pooled one aliased another thread's capture stream."""
-    import breakgraph_bindings as bindings
-
-    with _own_streams_lock:
-        stream = _own_streams.get(device.index)
-        if stream is None:
-            with torch.cuda.device(device):
-                stream = _own_streams[device.index] = torch.cuda.ExternalStream(bindings.create_stream(), device=device)
-        return stream
-
-
 def capture_stream(device: torch.device) -> torch.cuda.Stream:
     """This thread's side stream for captures on ``device``, as ``torch.cuda.graph`` keeps one per process."""
     return side_stream(device, "capture")
