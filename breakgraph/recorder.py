@@ -250,7 +250,7 @@ def start(pool, stream: torch.cuda.Stream, options: CaptureOptions, record_addre
                 _warn_uncooperative()
                 watch = True
             else:
-                recorder.random_stream = runtime.process_stream(stream.device, "random numbers")
+                recorder.random_stream = runtime.side_stream(stream.device, "random numbers")
                 try:  # before pool routing: torch keeps the generators' device state outside our pool
                     recorder.random = rng.ArmedGenerators(stream.device, options.generators, recorder.random_stream, stream)
                 except rng.GeneratorBusy:  # held by another capture: the first random op waits for it

@@ -127,22 +127,6 @@ def side_stream(device: torch.device, purpose: str) -> torch.cuda.Stream:
     return stream
 
 
-_process_streams: dict[tuple[int | None, str], torch.cuda.Stream] = {}
-_process_streams_lock = threading.Lock()
-
-
-def process_stream(device: torch.device, purpose: str) -> torch.cuda.Stream:
-    """One side stream on ``device`` for ``purpose`` in the whole process, made once, for
-    work that is serialized anyway (arming generators, under their claim). A stream per
-    thread drew a new one from torch's pool of 32 for every new thread, and after ~30
-    threads it came round again as another thread's capture stream."""
-    with _process_streams_lock:
-        stream = _process_streams.get((device.index, purpose))
-        if stream is None:
-            stream = _process_streams[(device.index, purpose)] = torch.cuda.Stream(device)
-        return stream
-
-
 def capture_stream(device: torch.device) -> torch.cuda.Stream:
     """This thread's side stream for captures on ``device``, as ``torch.cuda.graph`` keeps one per process."""
     return side_stream(device, "capture")
