@@ -22,15 +22,15 @@ def new_pool() -> "torch.cuda.MemPool":
     return torch.cuda.MemPool()
 
 
+_SNAPSHOT_TAKES_TRACES_FLAG = "include_traces" in inspect.signature(torch.cuda.memory_snapshot).parameters
+
+
 def _allocator_segments() -> list[dict]:
     """Every segment the caching allocator holds, on every device, from one global snapshot
     (without allocation traces where this torch can leave them out: they cost the most)."""
     if _SNAPSHOT_TAKES_TRACES_FLAG:
         return torch.cuda.memory_snapshot(include_traces=False)
     return torch.cuda.memory_snapshot()
-
-
-_SNAPSHOT_TAKES_TRACES_FLAG = "include_traces" in inspect.signature(torch.cuda.memory_snapshot).parameters
 
 
 @dataclass(frozen=True)

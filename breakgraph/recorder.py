@@ -68,7 +68,6 @@ class Recorder:
         self.barrier = options.barrier_fn
         self.record_addresses = record_addresses
         self.random: rng.ArmedGenerators | None = None
-        self.random_stream: torch.cuda.Stream | None = None  # where the generators are armed
         self.arm_when_free = False  # another capture held the generators at the start
         self.segments: list[Segment] = []
         self.segment_open = False
@@ -92,10 +91,10 @@ class Recorder:
     def end_segment(self, following: str) -> None:
         """End the open segment; keep it unless it captured nothing."""
         side_streams = self.tracker.segment_ending()
-        self.segment_open = False
         if self.random is not None:
             self.random.point_at_plain_states()
         graph = bindings.end_capture(self.stream)
+        self.segment_open = False
         num_nodes = graph.num_nodes
         if num_nodes == 0:
             graph.destroy()
@@ -169,9 +168,7 @@ class Recorder:
         wait = _ARMING_WAIT_S if self.barrier is None else 0.0
         busy = None
         try:
-            self.random = rng.ArmedGenerators.off_thread(
-                self.stream.device, self.options.generators, self.random_stream, self.stream, wait=wait
-            )
+            self.random = rng.ArmedGenerators.off_thread(self.stream.device, self.options.generators, self.stream, wait=wait)
         except rng.GeneratorBusy as error:
             busy = error
         self._previous = "arming generators"
@@ -215,9 +212,9 @@ class Recorder:
     def abort(self) -> None:
         """End a half-done capture, destroy what it made and close its scope; never raises
         (the error that caused the abort is the one to report)."""
-        self.segment_open = False
-        try:
-            if bindings.capture_status(self.stream) is not bindings.CaptureStatus.NONE:
+        began, self.segment_open = self.segment_open, False
+        try:  # only a capture this recorder began: another may be under way on the same stream
+            if began and bindings.capture_status(self.stream) is not bindings.CaptureStatus.NONE:
                 bindings.end_capture(self.stream).destroy()
         except CudaError:
             pass  # an invalidated capture: ending it failed, and the stream has left capture mode
@@ -250,9 +247,8 @@ def start(pool, stream: torch.cuda.Stream, options: CaptureOptions, record_addre
                 _warn_uncooperative()
                 watch = True
             else:
-                recorder.random_stream = runtime.side_stream(stream.device, "random numbers")
                 try:  # before pool routing: torch keeps the generators' device state outside our pool
-                    recorder.random = rng.ArmedGenerators(stream.device, options.generators, recorder.random_stream, stream)
+                    recorder.random = rng.ArmedGenerators(stream.device, options.generators, stream)
                 except rng.GeneratorBusy:  # held by another capture: the first random op waits for it
                     watch = recorder.arm_when_free = True
         scope.enter_context(torch.cuda.use_mem_pool(pool, stream.device))

@@ -10,14 +10,17 @@ advance and disarms it (``capture_end``), and refills it (``replay``).
 
 So a breakable capture arms its generators with a ``torch.cuda.CUDAGraph`` of
 its own, the *keeper*, which captures nothing: it is begun in relaxed mode
-on a side stream, arming every generator registered with it, and its CUDA
-capture is ended at once, so no capture stays open while breaks run (a
-device-wide synchronize in a break stays legal). The segments, captured
-through cuda.bindings, draw from the armed generators. Between segments
-each generator points at a plain copy of its state, so eager breaks draw
-eagerly. At the end a capture is reopened on the side stream for the
-keeper to end: that disarms the generators and records the advance, and
-every replay calls ``keeper.replay()`` before the first segment.
+on the capture stream while no segment records there, arming every
+generator registered with it, and its CUDA capture is ended at once, so no
+capture stays open while breaks run (a device-wide synchronize in a break
+stays legal). The segments, captured through cuda.bindings, draw from the
+armed generators. Between segments each generator points at a plain copy
+of its state, so eager breaks draw eagerly. After the last segment a
+capture is reopened on the capture stream for the keeper to end: that
+disarms the generators and records the advance, and every replay calls
+``keeper.replay()`` before the first segment. The keeper uses no stream of
+its own: a second stream from torch's pool of 32 per device can be the
+very stream another thread is capturing on.
 
 This needs torch's per-generator capture state (torch 2.11 and earlier,
 where ``CUDAGraph.register_generator_state`` exists); from torch 2.12 on only
@@ -76,6 +79,17 @@ def _claim(generators: Sequence[torch.Generator], wait: float) -> None:
             _armed[id(gen)] = gen
 
 
+def _require_idle(stream: torch.cuda.Stream) -> None:
+    """Refuse to arm on a stream something is capturing on: torch would leave the
+    generators and its pool routing half-armed when its capture fails to begin."""
+    if bindings.capture_status(stream) is not bindings.CaptureStatus.NONE:
+        raise RuntimeError(
+            f"cannot arm the CUDA generators on stream {stream.cuda_stream:#x}: a capture is already under way "
+            "on it. Give each concurrent capture a stream of its own (streams from torch's pool of 32 per "
+            "device are handed out again, so keep each capture's stream alive while it captures)."
+        )
+
+
 def _release(generators: Sequence[torch.Generator]) -> None:
     with _armed_changed:
         for gen in generators:
@@ -86,37 +100,31 @@ def _release(generators: Sequence[torch.Generator]) -> None:
 class ArmedGenerators:
     """The generators one capture has armed: ``device``'s default generator and ``extra`` ones.
 
-    ``side_stream`` is where the keeper captures (it first waits on
-    ``after``, the capture stream); ``wait`` is how long to wait for another
-    capture to release the generators before raising :class:`GeneratorBusy`.
+    ``stream`` is the capture stream, where the keeper captures; no segment
+    may be recording on it while the generators are armed or disarmed.
+    ``wait`` is how long to wait for another capture to release the
+    generators before raising :class:`GeneratorBusy`.
     """
 
-    def __init__(
-        self,
-        device: torch.device,
-        extra: Sequence[torch.Generator],
-        side_stream: torch.cuda.Stream,
-        after: torch.cuda.Stream,
-        wait: float = 0.0,
-    ):
+    def __init__(self, device: torch.device, extra: Sequence[torch.Generator], stream: torch.cuda.Stream, wait: float = 0.0):
         default = torch.cuda.default_generators[device.index]
         self.generators = [default] + [gen for gen in extra if gen is not default]
         for gen in self.generators:  # a generator made with device="cuda" reports no index
             if gen.device.type != "cuda" or gen.device.index not in (None, device.index):
                 raise ValueError(f"generators must be CUDA generators of {device}, got one of {gen.device}")
+        _require_idle(stream)
         _claim(self.generators, wait)
-        self._stream = side_stream
+        self._stream = stream
         try:
             self._plain = [gen.clone_state() for gen in self.generators]
             # keep_graph: ending the keeper instantiates nothing; only a keeper that is
             # replayed (its capture drew random numbers) instantiates, at its first replay.
-            side_stream.wait_stream(after)
-            with torch.cuda.stream(side_stream):
+            with torch.cuda.stream(stream):
                 self._keeper = torch.cuda.CUDAGraph(keep_graph=True)
                 for gen in self.generators[1:]:
                     self._keeper.register_generator_state(gen)
                 self._keeper.capture_begin(capture_error_mode="relaxed")  # arms every registered generator
-            bindings.end_capture(side_stream).destroy()  # ...and leaves no capture open
+            bindings.end_capture(stream).destroy()  # ...and leaves no capture open
         except BaseException:
             _release(self.generators)
             raise
@@ -166,16 +174,19 @@ class ArmedGenerators:
             return None
         for gen, state in zip(self.generators, self._armed):
             gen.graphsafe_set_state(state)
+        began = False
         try:
             bindings.begin_capture(self._stream, CaptureMode.RELAXED)  # for the keeper to end
+            began = True
             with warnings.catch_warnings(), torch.cuda.stream(self._stream):
                 warnings.simplefilter("ignore")  # "The CUDA Graph is empty": it is meant to be
                 keeper.capture_end()
         except BaseException:
-            # Leave no capture open on the side stream, and leave the generators on their
-            # plain states: the armed ones could not be disarmed, and eager draws must work.
+            # Leave no capture of ours open (a capture we did not begin is not ours to end),
+            # and leave the generators on their plain states: the armed ones could not be
+            # disarmed, and eager draws must work.
             with contextlib.suppress(bindings.CudaError):
-                if bindings.capture_status(self._stream) is not bindings.CaptureStatus.NONE:
+                if began and bindings.capture_status(self._stream) is not bindings.CaptureStatus.NONE:
                     bindings.end_capture(self._stream).destroy()
             self.point_at_plain_states()
             raise

@@ -229,6 +229,28 @@ def test_failed_capture_leaves_the_generator_usable():
     assert not torch.equal(first, out)
 
 
+def test_arming_on_a_stream_another_capture_is_using_is_refused_and_changes_nothing():
+    """torch would leave a generator half-armed (and its pool routing open) if the keeper's
+    capture could not begin: refused before anything changes, and the capture under way on
+    that stream (not ours) is left open for its owner to end."""
+    import breakgraph_bindings as bindings
+
+    device = torch.device(DEV, torch.cuda.current_device())
+    busy, free = torch.cuda.Stream(), torch.cuda.Stream()
+    bindings.begin_capture(busy, bindings.CaptureMode.RELAXED)  # someone else's capture
+    try:
+        with pytest.raises(RuntimeError, match="a capture is already under way on it"):
+            rng.ArmedGenerators(device, [], busy)
+        assert bindings.capture_status(busy) is bindings.CaptureStatus.ACTIVE
+    finally:
+        bindings.end_capture(busy).destroy()
+    rng.ArmedGenerators(device, [], free, wait=0.0).disarm(keep=False)  # the generator was not claimed
+    graph, out = capture(lambda: torch.randn(N, device=DEV))
+    first = (graph.replay(), out.clone())[1]
+    graph.replay()
+    assert not torch.equal(first, out)
+
+
 def test_region_without_random_ops_has_no_refill_step():
     graph, _out = capture(lambda t: softmax_eager(t * 2) + 1, torch.randn(4, 8, device=DEV))
     assert not graph.draws_random_numbers

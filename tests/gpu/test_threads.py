@@ -29,3 +29,17 @@ def test_threads_capture_at_once_and_replay_like_eager(threads, mode, random_ops
 def test_threads_capture_at_once_in_debug_mode():
     workers = [Worker(index) for index in range(2)]
     capture_concurrently(workers, BODIES["dropout and side stream"], "thread_local", "graph", rounds=5, debug=True)
+
+
+def test_new_threads_capture_while_torch_hands_its_pooled_streams_out_again():
+    """torch hands out its 32 pooled streams per device round robin, so a stream a new thread
+    takes can be the one another thread is capturing on. Fresh threads every round, the pool
+    advanced one stream further each time, so every alignment comes up: nothing breakgraph
+    takes for itself may collide with a worker's capture stream."""
+    import torch
+
+    workers = [Worker(index) for index in range(2)]
+    kept_alive = []
+    for _ in range(40):
+        capture_concurrently(workers, BODIES["dropout and side stream"], "thread_local", "graph")
+        kept_alive.append(torch.cuda.Stream())
