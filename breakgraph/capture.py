@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from breakgraph import runtime
@@ -56,27 +58,24 @@ class BreakableCUDAGraphCapture:
         self.graph = graph
         self.stream = stream
         self.options = CaptureOptions.parse(capture_error_mode, random_ops, generators, breaks, barrier_fn)
-        self._stream_context = None
+        self._scope: contextlib.ExitStack | None = None
 
     def __enter__(self) -> BreakableCUDAGraph:
         runtime.require_capture("a `with BreakableCUDAGraphCapture(...)` block")
         caller_stream = torch.cuda.current_stream()
-        stream = self.stream if self.stream is not None else runtime.capture_stream(caller_stream.device)
-        # No host sync: the capture stream only has to follow the caller's work on the
-        # GPU, so an engine's warm-up step can still run while its capture is recorded.
-        stream.wait_stream(caller_stream)
-        stream_context = torch.cuda.stream(stream)
-        stream_context.__enter__()
-        try:
+        with contextlib.ExitStack() as scope:
+            # Held from before the stream is first touched: another capture's stream is refused.
+            stream = scope.enter_context(runtime.claim_capture_stream(caller_stream.device, self.stream))
+            # No host sync: the capture stream only has to follow the caller's work on the
+            # GPU, so an engine's warm-up step can still run while its capture is recorded.
+            stream.wait_stream(caller_stream)
+            scope.enter_context(torch.cuda.stream(stream))
             self.graph.capture_begin(**self.options.arguments())
-        except BaseException:
-            stream_context.__exit__(None, None, None)
-            raise
-        self._caller_stream, self._stream_context = caller_stream, stream_context
+            self._caller_stream, self._scope = caller_stream, scope.pop_all()
         return self.graph
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        stream_context, self._stream_context = self._stream_context, None
+        scope, self._scope = self._scope, None
         capture_stream = torch.cuda.current_stream()
         try:
             if exc_type is None:
@@ -84,7 +83,7 @@ class BreakableCUDAGraphCapture:
             else:
                 self.graph.capture_abort()
         finally:
-            stream_context.__exit__(None, None, None)
+            scope.close()
         if exc_type is None:
             self._caller_stream.wait_stream(capture_stream)
             return False

@@ -71,13 +71,13 @@ class GraphedCallable:
 
     def _capture(self, warmup: int) -> None:
         fn, args, kwargs = self.fn, self.args, self.kwargs
-        stream = runtime.capture_stream(_device_of(args, kwargs))
-        for _ in range(warmup):  # lazy library initialisation must not happen inside the capture
-            runtime.run_on_stream(stream, lambda: fn(*args, **kwargs))
-        # Debug mode: the whole function is one eager break, replayed through the same path.
-        target = eager_on_graph(fn) if self.debug else fn
-        with BreakableCUDAGraphCapture(self.graph, stream=stream, **self.options.arguments()):
-            self.output = target(*args, **kwargs)
+        with runtime.claim_capture_stream(_device_of(args, kwargs)) as stream:
+            for _ in range(warmup):  # lazy library initialisation must not happen inside the capture
+                runtime.run_on_stream(stream, lambda: fn(*args, **kwargs))
+            # Debug mode: the whole function is one eager break, replayed through the same path.
+            target = eager_on_graph(fn) if self.debug else fn
+            with BreakableCUDAGraphCapture(self.graph, stream=stream, **self.options.arguments()):
+                self.output = target(*args, **kwargs)
 
     @property
     def eager(self) -> bool:

@@ -239,8 +239,9 @@ def start(pool, stream: torch.cuda.Stream, options: CaptureOptions, record_addre
     random_ops = options.random_ops
     watch = random_ops == "break"
     try:
-        # Outermost, so it is released last: a MemPool that a collection frees while
-        # allocations are still routed to a pool aborts the process.
+        scope.enter_context(runtime.claim_capture_stream(stream.device, stream))
+        # Before pool routing, so it is released after it: a MemPool that a collection
+        # frees while allocations are still routed to a pool aborts the process.
         scope.enter_context(runtime.cycle_collector_paused())
         if random_ops == "graph":
             if not rng.cooperative():

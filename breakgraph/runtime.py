@@ -115,21 +115,54 @@ def require_capture(what: str) -> None:
         )
 
 
-_side_streams = threading.local()
+_kept_streams = threading.local()
+_claims: dict[int, tuple[int, str, int]] = {}  # stream handle -> (thread id, thread name, depth)
+_claims_lock = threading.Lock()
+_POOLED_STREAMS = 32  # torch's pool per device and priority, handed out round robin
 
 
-def side_stream(device: torch.device, purpose: str) -> torch.cuda.Stream:
-    """This thread's side stream on ``device`` for ``purpose``, made once and kept."""
-    cache = _side_streams.__dict__.setdefault("by_purpose", {})
-    stream = cache.get((device.index, purpose))
-    if stream is None:
-        stream = cache[(device.index, purpose)] = torch.cuda.Stream(device)
-    return stream
+@contextlib.contextmanager
+def claim_capture_stream(device: torch.device, stream: torch.cuda.Stream | None = None):
+    """Hold ``stream`` (by default this thread's kept capture stream) for one capture on
+    ``device``, and yield it. A thread may claim a stream it holds again; a stream another
+    thread's capture holds is refused with a clear error (CUDA's would not be). This
+    thread's kept stream (``torch.cuda.graph`` keeps one per process) is never one another
+    capture holds: torch's pool hands its streams out again, so a new one is drawn then."""
+    thread, name = threading.get_ident(), threading.current_thread().name
+    with _claims_lock:
+        if stream is None:
+            stream = _kept_stream(device)
+        handle = stream.cuda_stream
+        owner, owner_name, depth = _claims.get(handle, (thread, name, 0))
+        if owner != thread:
+            raise RuntimeError(
+                f"stream {handle:#x} is already being captured on by another capture (thread {owner_name!r}). "
+                "Give each concurrent capture a stream of its own, and keep it alive while it captures: "
+                "torch hands its pooled streams (torch.cuda.Stream()) out again, 32 per device."
+            )
+        _claims[handle] = (thread, name, depth + 1)
+    try:
+        yield stream
+    finally:
+        with _claims_lock:
+            _, _, depth = _claims.pop(handle)
+            if depth > 1:
+                _claims[handle] = (thread, name, depth - 1)
 
 
-def capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """This thread's side stream for captures on ``device``, as ``torch.cuda.graph`` keeps one per process."""
-    return side_stream(device, "capture")
+def _kept_stream(device: torch.device) -> torch.cuda.Stream:
+    """This thread's capture stream on ``device``, redrawn while another thread holds it
+    (call under ``_claims_lock``)."""
+    kept = _kept_streams.__dict__.setdefault("by_device", {})
+    for _ in range(_POOLED_STREAMS + 1):
+        stream = kept.get(device.index)
+        if stream is not None and _claims.get(stream.cuda_stream, (threading.get_ident(),))[0] == threading.get_ident():
+            return stream
+        kept[device.index] = torch.cuda.Stream(device)
+    raise RuntimeError(
+        f"every stream in torch's pool for {device} is being captured on by other threads; "
+        "pass each capture a stream of its own (stream=...)"
+    )
 
 
 def run_on_stream(stream: torch.cuda.Stream, function: Callable[[], T]) -> T:

@@ -144,3 +144,49 @@ def test_a_pool_never_dies_while_another_thread_starts_a_capture():
 def test_import_without_gpu_in_a_fresh_process():
     run = subprocess.run([sys.executable, "-c", "import breakgraph; print('ok')"], capture_output=True, text=True)
     assert run.stdout.strip() == "ok", run.stderr
+
+
+class _Stream:
+    """Stands for a torch.cuda.Stream: claims only read its handle."""
+
+    def __init__(self, handle: int):
+        self.cuda_stream = handle
+
+
+def _claim_from_another_thread(stream) -> BaseException | None:
+    import threading
+
+    outcome = []
+
+    def claim():
+        try:
+            with runtime.claim_capture_stream(None, stream):
+                outcome.append(None)
+        except BaseException as error:
+            outcome.append(error)
+
+    thread = threading.Thread(target=claim, name="other-capture")
+    thread.start()
+    thread.join()
+    return outcome[0]
+
+
+def test_a_stream_is_held_by_one_thread_at_a_time_and_released_at_the_end():
+    stream = _Stream(0x1234)
+    with runtime.claim_capture_stream(None, stream) as claimed:
+        assert claimed is stream
+        with runtime.claim_capture_stream(None, stream):  # the holder may claim it again
+            pass
+        error = _claim_from_another_thread(stream)  # still held: the outer claim goes on
+        assert isinstance(error, RuntimeError)
+        assert "0x1234 is already being captured on by another capture (thread 'MainThread')" in str(error)
+        assert "stream of its own" in str(error)
+    assert _claim_from_another_thread(stream) is None  # released
+
+
+def test_a_failed_claim_leaves_the_stream_to_its_holder():
+    stream = _Stream(0x5678)
+    with runtime.claim_capture_stream(None, stream):
+        assert isinstance(_claim_from_another_thread(stream), RuntimeError)
+        assert isinstance(_claim_from_another_thread(stream), RuntimeError)
+    assert _claim_from_another_thread(stream) is None

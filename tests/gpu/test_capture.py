@@ -10,7 +10,7 @@ import torch
 import breakgraph_bindings as bindings
 import breakgraph as bg
 from breakgraph.pool import PoolUsage
-from breakgraph.runtime import capture_stream, run_on_stream
+from breakgraph.runtime import claim_capture_stream, run_on_stream
 from tests.helpers import assert_close, check_against_eager, poison_
 
 pytestmark = pytest.mark.gpu
@@ -389,7 +389,8 @@ def test_reset_and_recapture_many_times_does_not_grow_memory():
     graph = bg.BreakableCUDAGraph()
     x = torch.randn(64, 64, device=DEV)
     # Warm up on the capture stream: cuBLAS's handle and workspace are not the capture's to make.
-    run_on_stream(capture_stream(x.device), lambda: softmax_eager(x @ x))
+    with claim_capture_stream(x.device) as stream:
+        run_on_stream(stream, lambda: softmax_eager(x @ x))
     torch.cuda.synchronize()
     sizes = []
     for cycle in range(200):

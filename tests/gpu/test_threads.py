@@ -2,10 +2,14 @@
 each way of treating random ops; every replay checked against eager, 20 rounds in a row."""
 
 import itertools
+import threading
 
 import pytest
+import torch
 
-from tests.gpu.threads import Body, Worker, capture_concurrently
+import breakgraph as bg
+from tests.gpu.threads import Body, Worker, capture_concurrently, run_together, scale_in_place
+from tests.helpers import assert_close, poison_
 
 pytestmark = pytest.mark.gpu
 
@@ -36,10 +40,92 @@ def test_new_threads_capture_while_torch_hands_its_pooled_streams_out_again():
     takes can be the one another thread is capturing on. Fresh threads every round, the pool
     advanced one stream further each time, so every alignment comes up: nothing breakgraph
     takes for itself may collide with a worker's capture stream."""
-    import torch
-
     workers = [Worker(index) for index in range(2)]
     kept_alive = []
     for _ in range(40):
         capture_concurrently(workers, BODIES["dropout and side stream"], "thread_local", "graph")
         kept_alive.append(torch.cuda.Stream())
+
+
+def _capture_scaled(x, stream=None):
+    """A graph of ``x * 3 + 1`` with a break in between, captured on ``stream`` (None: the
+    thread's own capture stream); returns the graph, its output and the stream it used."""
+    graph = bg.BreakableCUDAGraph()
+    buf = torch.empty_like(x)
+    with bg.BreakableCUDAGraphCapture(graph, stream=stream, capture_error_mode="thread_local"):
+        buf.copy_(x)
+        scale_in_place(buf, 3.0)
+        out = buf + 1.0
+        used = torch.cuda.current_stream()
+    return graph, out, used
+
+
+def _check_scaled(graph, x, out):
+    fresh = torch.randn_like(x)
+    x.copy_(fresh)
+    poison_(out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(out, fresh * 3.0 + 1.0)
+
+
+def test_a_thread_whose_kept_capture_stream_another_thread_is_capturing_on_draws_another():
+    """Torch's pool has wrapped around: the stream thread B would take for its capture is the
+    one thread A is capturing on. B captures on another one, and both graphs replay right."""
+    x_a, x_b = torch.randn(1024, device="cuda"), torch.randn(1024, device="cuda")
+    before_a = torch.cuda.Stream()  # thread A's capture stream is the pool's next one
+    results = {}
+
+    def thread_a(barrier):
+        graph = bg.BreakableCUDAGraph()
+        buf = torch.empty_like(x_a)
+        with bg.BreakableCUDAGraphCapture(graph, capture_error_mode="thread_local"):
+            buf.copy_(x_a)
+            scale_in_place(buf, 3.0)
+            results["a"] = (graph, buf + 1.0, torch.cuda.current_stream())
+            barrier.wait()  # B now captures while A's capture is open
+            barrier.wait()
+
+    def thread_b(barrier):
+        barrier.wait()
+        for _ in range(32):  # advance torch's pool to just before A's stream
+            if torch.cuda.Stream().cuda_stream == before_a.cuda_stream:
+                break
+        results["b"] = _capture_scaled(x_b)
+        barrier.wait()
+
+    run_together([thread_a, thread_b])
+    (graph_a, out_a, stream_a), (graph_b, out_b, stream_b) = results["a"], results["b"]
+    assert stream_a.cuda_stream != stream_b.cuda_stream
+    _check_scaled(graph_a, x_a, out_a)
+    _check_scaled(graph_b, x_b, out_b)
+
+
+def test_two_captures_on_one_stream_at_once_fail_clearly_and_the_first_goes_on():
+    stream = torch.cuda.Stream()
+    x_a, x_b = torch.randn(1024, device="cuda"), torch.randn(1024, device="cuda")
+    results = {}
+
+    def thread_a(barrier):
+        graph = bg.BreakableCUDAGraph()
+        buf = torch.empty_like(x_a)
+        with bg.BreakableCUDAGraphCapture(graph, stream=stream, capture_error_mode="thread_local"):
+            buf.copy_(x_a)
+            scale_in_place(buf, 3.0)
+            results["a"] = (graph, buf + 1.0)
+            barrier.wait()
+            barrier.wait()
+
+    def thread_b(barrier):
+        barrier.wait()
+        try:
+            with pytest.raises(RuntimeError, match="already being captured on by another capture"):
+                _capture_scaled(x_b, stream=stream)
+        finally:
+            barrier.wait()
+
+    run_together([thread_a, thread_b])
+    graph_a, out_a = results["a"]
+    _check_scaled(graph_a, x_a, out_a)
+    graph_b, out_b, _ = _capture_scaled(x_b, stream=stream)  # the stream is free again
+    _check_scaled(graph_b, x_b, out_b)
