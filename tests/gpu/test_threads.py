@@ -47,11 +47,11 @@ def test_new_threads_capture_while_torch_hands_its_pooled_streams_out_again():
         kept_alive.append(torch.cuda.Stream())
 
 
-def _capture_scaled(x, stream=None):
-    """A graph of ``x * 3 + 1`` with a break in between, captured on ``stream`` (None: the
-    thread's own capture stream); returns the graph, its output and the stream it used."""
+def _capture_scaled(x, buf, stream=None):
+    """A graph of ``x * 3 + 1`` through ``buf`` (kept alive by the caller: the graph does not)
+    with a break in between, captured on ``stream`` (None: the thread's own capture stream);
+    returns the graph, its output and the stream it used."""
     graph = bg.BreakableCUDAGraph()
-    buf = torch.empty_like(x)
     with bg.BreakableCUDAGraphCapture(graph, stream=stream, capture_error_mode="thread_local"):
         buf.copy_(x)
         scale_in_place(buf, 3.0)
@@ -73,16 +73,16 @@ def test_a_thread_whose_kept_capture_stream_another_thread_is_capturing_on_draws
     """Torch's pool has wrapped around: the stream thread B would take for its capture is the
     one thread A is capturing on. B captures on another one, and both graphs replay right."""
     x_a, x_b = torch.randn(1024, device="cuda"), torch.randn(1024, device="cuda")
+    buf_a, buf_b = torch.empty_like(x_a), torch.empty_like(x_b)
     before_a = torch.cuda.Stream()  # thread A's capture stream is the pool's next one
     results = {}
 
     def thread_a(barrier):
         graph = bg.BreakableCUDAGraph()
-        buf = torch.empty_like(x_a)
         with bg.BreakableCUDAGraphCapture(graph, capture_error_mode="thread_local"):
-            buf.copy_(x_a)
-            scale_in_place(buf, 3.0)
-            results["a"] = (graph, buf + 1.0, torch.cuda.current_stream())
+            buf_a.copy_(x_a)
+            scale_in_place(buf_a, 3.0)
+            results["a"] = (graph, buf_a + 1.0, torch.cuda.current_stream())
             barrier.wait()  # B now captures while A's capture is open
             barrier.wait()
 
@@ -91,7 +91,7 @@ def test_a_thread_whose_kept_capture_stream_another_thread_is_capturing_on_draws
         for _ in range(32):  # advance torch's pool to just before A's stream
             if torch.cuda.Stream().cuda_stream == before_a.cuda_stream:
                 break
-        results["b"] = _capture_scaled(x_b)
+        results["b"] = _capture_scaled(x_b, buf_b)
         barrier.wait()
 
     run_together([thread_a, thread_b])
@@ -104,15 +104,15 @@ def test_a_thread_whose_kept_capture_stream_another_thread_is_capturing_on_draws
 def test_two_captures_on_one_stream_at_once_fail_clearly_and_the_first_goes_on():
     stream = torch.cuda.Stream()
     x_a, x_b = torch.randn(1024, device="cuda"), torch.randn(1024, device="cuda")
+    buf_a, buf_b = torch.empty_like(x_a), torch.empty_like(x_b)
     results = {}
 
     def thread_a(barrier):
         graph = bg.BreakableCUDAGraph()
-        buf = torch.empty_like(x_a)
         with bg.BreakableCUDAGraphCapture(graph, stream=stream, capture_error_mode="thread_local"):
-            buf.copy_(x_a)
-            scale_in_place(buf, 3.0)
-            results["a"] = (graph, buf + 1.0)
+            buf_a.copy_(x_a)
+            scale_in_place(buf_a, 3.0)
+            results["a"] = (graph, buf_a + 1.0)
             barrier.wait()
             barrier.wait()
 
@@ -120,12 +120,12 @@ def test_two_captures_on_one_stream_at_once_fail_clearly_and_the_first_goes_on()
         barrier.wait()
         try:
             with pytest.raises(RuntimeError, match="already being captured on by another capture"):
-                _capture_scaled(x_b, stream=stream)
+                _capture_scaled(x_b, buf_b, stream=stream)
         finally:
             barrier.wait()
 
     run_together([thread_a, thread_b])
     graph_a, out_a = results["a"]
     _check_scaled(graph_a, x_a, out_a)
-    graph_b, out_b, _ = _capture_scaled(x_b, stream=stream)  # the stream is free again
+    graph_b, out_b, _ = _capture_scaled(x_b, buf_b, stream=stream)  # the stream is free again
     _check_scaled(graph_b, x_b, out_b)
