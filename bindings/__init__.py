@@ -21,7 +21,8 @@ from .capture import (
     end_capture,
     exchange_capture_mode,
 )
-from .graph import Graph, GraphExec, device_count, launch_function, probe_devices
+from .graph import Graph, GraphExec, GraphUpdateRefused, device_count, launch_function, probe_devices
+from .memory import free_device_memory, graph_allocation_bytes, trim_graph_memory
 
 __all__ = [
     "CaptureInfo",
@@ -30,6 +31,7 @@ __all__ = [
     "CudaError",
     "Graph",
     "GraphExec",
+    "GraphUpdateRefused",
     "begin_capture",
     "capture_info",
     "capture_status",
@@ -38,8 +40,11 @@ __all__ = [
     "device_count",
     "end_capture",
     "exchange_capture_mode",
+    "free_device_memory",
+    "graph_allocation_bytes",
     "launch_function",
     "probe_devices",
     "stream_handle",
     "synchronize",
+    "trim_graph_memory",
 ]

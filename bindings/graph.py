@@ -53,6 +53,15 @@ class Graph:
         return self._finalizer.alive
 
 
+class GraphUpdateRefused(CudaError):
+    """``cudaGraphExecUpdate`` refused a graph; ``reason`` is CUDA's update result
+    (``ErrorTopologyChanged``, ``ErrorNodeTypeChanged``, ...)."""
+
+    def __init__(self, code, function: str, detail: str, reason: str):
+        super().__init__(code, function, detail)
+        self.reason = reason
+
+
 class GraphExec:
     """An owned ``cudaGraphExec_t``."""
 
@@ -69,10 +78,15 @@ class GraphExec:
         check(cudart.cudaGraphUpload(self.handle, stream_handle(stream)), "cudaGraphUpload")
 
     def update(self, graph: Graph) -> None:
-        """Update node parameters from a topologically identical graph (``cudaGraphExecUpdate``)."""
+        """Take ``graph``'s node parameters, kernels included, in place
+        (``cudaGraphExecUpdate``): the next launch runs ``graph``'s work. Raises
+        :class:`GraphUpdateRefused` when the two graphs differ in a way CUDA cannot
+        update (topology, node types, ...); what the executable holds after a refusal
+        is not promised, so update it again with the graph it should hold."""
         err, info = cudart.cudaGraphExecUpdate(self.handle, graph.handle)
         if err != _SUCCESS:
-            raise CudaError(err, "cudaGraphExecUpdate", f"update result {info.result!r}")
+            reason = info.result.name.removeprefix("cudaGraphExecUpdate")
+            raise GraphUpdateRefused(err, "cudaGraphExecUpdate", f"update result {reason}", reason)
 
     def destroy(self) -> None:
         """Destroy now rather than at garbage collection; later calls do nothing."""

@@ -19,6 +19,7 @@ from breakgraph.graphed import GraphedCallable, graphed
 from breakgraph.pool import pool_bytes
 from breakgraph.ranks import CaptureAgreement, PeerCaptureError, agreed_batch_size
 from breakgraph.runner import GraphRunner
+from breakgraph.sharing import share_executables
 from breakgraph.sizes import default_capture_sizes
 from breakgraph.streams import StreamJoinError
 from breakgraph.tables import format_table
@@ -45,4 +46,5 @@ __all__ = [
     "graphed",
     "is_capturing",
     "pool_bytes",
+    "share_executables",
 ]

@@ -45,6 +45,7 @@ class BreakableCUDAGraph:
         self._first_segment = 0
         self._device = None
         self._recorder: recorder.Recorder | None = None
+        self._released = False  # executables released, graphs kept
 
     # -- introspection ----------------------------------------------------------
     @property
@@ -75,7 +76,13 @@ class BreakableCUDAGraph:
 
     @property
     def captured(self) -> bool:
-        return self._plan is not None
+        return self._plan is not None or self._released
+
+    @property
+    def executable_bytes(self) -> int:
+        """Device memory the driver took for this graph's own executables, measured with
+        ``cudaMemGetInfo`` at instantiation (segments sharing another graph's count 0)."""
+        return sum(getattr(segment, "executable_bytes", 0) for segment in self._segments)
 
     @property
     def device(self) -> torch.device | None:
@@ -152,8 +159,42 @@ class BreakableCUDAGraph:
         that is not set costs replay nothing: it is not in the replay plan."""
         check_replay_hooks(before, after)
         self._before_replay, self._after_replay = before, after
-        if self.captured:
+        if self._plan is not None:
             self._build_plan()
+
+    # -- executables --------------------------------------------------------------------
+    def release_executables(self) -> None:
+        """Destroy the segments' executables (the device memory the driver holds for them)
+        and keep the captured graphs and the pool: :meth:`restore_executables` brings the
+        graph back without capturing again. Replay raises until then."""
+        self._require_captured("release_executables")
+        for segment in self._graph_segments():
+            segment.drop_executable()
+        self._plan, self._released = None, True
+
+    def restore_executables(self) -> None:
+        """Instantiate the segments kept by :meth:`release_executables` again; replays are
+        then those of before (the same graphs, reading and writing the same addresses)."""
+        if not self._released:
+            return
+        stream = torch.cuda.current_stream(self._device)
+        for segment in self._graph_segments():
+            segment.instantiate(stream)
+        self._released = False
+        self._build_plan()
+
+    def rebuild_replay_plan(self) -> None:
+        """Rebuild the replay plan after segments changed how they launch (shared executables)."""
+        self._require_captured("rebuild_replay_plan")
+        if not self._released:
+            self._build_plan()
+
+    def _graph_segments(self) -> list:
+        return [segment for segment in self._segments if segment.kind == "graph"]
+
+    def _require_captured(self, what: str) -> None:
+        if not self.captured:
+            raise RuntimeError(f"{what} needs a captured graph: capture it first")
 
     def _build_plan(self) -> None:
         """The replay plan: one ``launch(stream)`` per step, with only the steps this graph needs."""
@@ -169,6 +210,8 @@ class BreakableCUDAGraph:
         """Launch every segment and run every break, in capture order, on the current stream."""
         plan = self._plan
         if plan is None:
+            if self._released:
+                raise RuntimeError("this graph's executables were released (release_executables()): call restore_executables() first")
             raise RuntimeError("this BreakableCUDAGraph holds no capture: capture it with BreakableCUDAGraphCapture first")
         stream = bindings.stream_handle(torch._C._cuda_getCurrentRawStream(self._device.index))
         with torch.no_grad():
@@ -189,7 +232,7 @@ class BreakableCUDAGraph:
             segment.release()
         self._segments = ()
         self._refill_generators = None
-        self._plan = None
+        self._plan, self._released = None, False
         self._first_segment = 0
 
     @property
@@ -200,7 +243,7 @@ class BreakableCUDAGraph:
     @debug.setter
     def debug(self, value: bool) -> None:
         self._debug = runtime.debug_requested(value)
-        if self.captured:
+        if self._plan is not None:
             self._build_plan()
 
     def __del__(self) -> None:

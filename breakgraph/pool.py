@@ -54,6 +54,11 @@ class PoolUsage:
         """Bytes of device memory the pool holds, allocated or cached."""
         return sum(segment["total_size"] for segment in self.segments)
 
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes of the pool that tensors hold now."""
+        return sum(self.allocated_blocks().values())
+
     def allocated_blocks(self) -> dict[int, int]:
         """Address and size of every block that a tensor holds now."""
         return {

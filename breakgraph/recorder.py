@@ -24,7 +24,7 @@ from breakgraph.breaks import record_break, warn_kept_allocations
 from breakgraph.dispatch import CaptureDispatchMode, UncapturableOpError, is_capture_violation
 from breakgraph.options import CaptureOptions
 from breakgraph.pool import PoolUsage
-from breakgraph.segments import GraphSegment, Launcher, Segment
+from breakgraph.segments import GraphSegment, Launcher, Segment, instantiate
 
 _warned_uncooperative = False
 
@@ -99,9 +99,11 @@ class Recorder:
         if num_nodes == 0:
             graph.destroy()
             return
-        executable = graph.instantiate()  # its first launch uploads it
+        executable, executable_bytes = instantiate(graph, self.stream)
         name = f"graph {self._previous} -> {following}"
-        self.segments.append(GraphSegment(len(self.segments), name, graph, executable, num_nodes, side_streams))
+        self.segments.append(
+            GraphSegment(len(self.segments), name, graph, executable, num_nodes, side_streams, executable_bytes)
+        )
 
     # -- breaks ------------------------------------------------------------------------
     def run_break(

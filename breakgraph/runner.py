@@ -10,12 +10,15 @@ from typing import Callable, Hashable, Sequence
 
 import torch
 
+import breakgraph_bindings as bindings
 from breakgraph import runtime
 from breakgraph.batches import StaticInputs, live_rows
+from breakgraph.estimate import MemoryEstimate, Probe, extrapolate, probe_sizes
 from breakgraph.tables import format_table
 from breakgraph.graph import BreakableCUDAGraph, check_replay_hooks
 from breakgraph.graphed import GraphedCallable
-from breakgraph.pool import new_pool, pool_bytes
+from breakgraph.pool import PoolUsage, new_pool, pool_bytes
+from breakgraph.sharing import Refusal, share_executables
 from breakgraph.dispatch import UncapturableOpError, is_capture_violation
 from breakgraph.options import CaptureOptions, parse_modes, parse_warmup
 from breakgraph.sizes import choose_size, default_capture_sizes, validate_capture_sizes
@@ -63,6 +66,13 @@ class GraphRunner:
     on the same padded static buffers, after logging the reason once, while
     the other sizes keep their graphs; ``report()`` lists it. The default,
     "raise", propagates the error.
+
+    ``share_executables=True`` keeps one executable per segment for all the
+    sizes of a key (``cudaGraphExecUpdate``), rather than one per size: less
+    device memory, and a replay whose size differs from the previous one's
+    first updates each shared segment. Memory an engine can plan around:
+    :meth:`estimate_memory` (before capturing), :meth:`memory`,
+    :meth:`release` and :meth:`restore`.
     """
 
     def __init__(
@@ -86,6 +96,7 @@ class GraphRunner:
         before_replay=None,
         after_replay=None,
         on_capture_error: str = "raise",
+        share_executables: bool = False,
     ):
         if not callable(fn):
             raise TypeError(f"GraphRunner needs a callable to capture, got {type(fn).__name__}")
@@ -120,6 +131,12 @@ class GraphRunner:
         if on_capture_error not in ("raise", "eager"):
             raise ValueError(f"on_capture_error must be 'raise' or 'eager', got {on_capture_error!r}")
         self.on_capture_error = on_capture_error
+        if not isinstance(share_executables, bool):
+            raise TypeError(f"share_executables must be True or False, got {share_executables!r}")
+        self.share_executables = share_executables
+        self.refusals: dict[tuple[Hashable, int], list[Refusal]] = {}
+        self._released: str | None = None  # "executables" or "everything" while released
+        self._while_released = "eager"
         self._failed: dict[tuple[Hashable, int], str] = {}
         self.pool = None
         self._graphed: dict[tuple[Hashable, int], GraphedCallable] = {}
@@ -156,7 +173,20 @@ class GraphRunner:
         for key, size in work:
             if (key, size) not in self._graphed and (key, size) not in self._failed:
                 self._capture_one(key, size)
+        self._share()
         return self
+
+    def _share(self) -> None:
+        """With ``share_executables``, let every key's graphs launch the executables of the
+        key's first captured graph where CUDA can update them (see :mod:`breakgraph.sharing`)."""
+        if not self.share_executables:
+            return
+        for key in self.keys:
+            captured = [(size, graphed.graph) for (k, size), graphed in self._graphed.items() if k == key]
+            refusals = share_executables([graph for _size, graph in captured])  # refused ones are tried again
+            self.refusals = {key_size: refused for key_size, refused in self.refusals.items() if key_size[0] != key}
+            for refusal in refusals:
+                self.refusals.setdefault((key, captured[refusal.graph][0]), []).append(refusal)
 
     def _capture_one(self, key: Hashable, size: int) -> GraphedCallable | None:
         """Capture (key, size); with ``on_capture_error="eager"`` a failure is logged and
@@ -213,9 +243,13 @@ class GraphRunner:
         inputs = self.inputs.live(args, kwargs)
         live = self.inputs.check(inputs)
         n = live[0].shape[0]
+        candidates = self._candidates(inputs)
+        if self._released is not None:
+            if self._while_released == "raise":
+                raise RuntimeError("this GraphRunner's graphs are released (runner.release()): call runner.restore() first")
+            return self._run_eagerly(inputs, candidates[0])
         if self.eager_reason is None and self.pool is None:
             self.capture()
-        candidates = self._candidates(inputs)
         chosen = None if self.eager_reason is not None else self.select(n, candidates)
         if chosen is None:
             if self.eager_reason is None and not self._logged_eager:
@@ -229,6 +263,7 @@ class GraphRunner:
             started = time.perf_counter()
             graphed = self._capture_one(key, size)
             if graphed is not None:
+                self._share()
                 graphed.replay()
                 torch.cuda.current_stream().synchronize()
                 self._first_use_seconds[(key, size)] = time.perf_counter() - started
@@ -259,6 +294,85 @@ class GraphRunner:
         if runtime is not None:  # runtime is None at interpreter exit
             runtime.release_after_captures(self, "pool")
 
+    # -- memory ----------------------------------------------------------------------------
+    def memory(self) -> dict:
+        """Device memory the graphs hold now: the shared pool (reserved, allocated or cached)
+        and the executables (measured with ``cudaMemGetInfo`` at instantiation)."""
+        pool = pool_bytes(self.pool) if self.pool is not None else 0
+        executables = sum(graphed.graph.executable_bytes for graphed in self._graphed.values())
+        return {"pool_bytes": pool, "executable_bytes": executables, "total_bytes": pool + executables}
+
+    def estimate_memory(self, probes: int = 5) -> MemoryEstimate:
+        """Capture a few sizes of every key (the largest, the smallest and ``probes - 2``
+        between; they stay captured, and :meth:`capture` captures the rest) and estimate
+        what the graphs of all sizes will hold (pool and executables). Call it before
+        :meth:`capture`."""
+        runtime.require_cuda("GraphRunner.estimate_memory")
+        if self._graphed or self._failed:
+            raise RuntimeError("estimate_memory() captures its probes into an empty runner: call it before capture()")
+        started = time.perf_counter()
+        if self.pool is None:
+            self.pool = new_pool()
+        probes_by_key = {}
+        work = sorted(((key, size) for key in self.keys for size in probe_sizes(self.sizes_by_key[key], probes)), key=lambda item: -item[1])
+        for key, size in work:
+            kept_before = PoolUsage.of(self.pool).allocated_bytes
+            graphed = self._capture_one(key, size)
+            if graphed is not None:
+                kept = PoolUsage.of(self.pool).allocated_bytes - kept_before
+                probes_by_key.setdefault(key, []).append(Probe(size, kept, graphed.graph.executable_bytes))
+        return extrapolate(self.sizes_by_key, probes_by_key, pool_bytes(self.pool), time.perf_counter() - started)
+
+    def release(self, keep_graphs: bool = False, while_released: str = "eager") -> dict:
+        """Give the graphs' device memory back, as an engine going to sleep does.
+
+        ``keep_graphs=False`` frees the pool and every executable; :meth:`restore`
+        captures again. ``keep_graphs=True`` frees the executables only and keeps the
+        captured graphs and the pool; :meth:`restore` instantiates them again. Until
+        then calls run ``fn`` eagerly (``while_released="eager"``) or raise ("raise").
+        Outputs of earlier calls must not be used after a release. Returns the bytes
+        freed (``cudaMemGetInfo`` before and after) and the seconds it took."""
+        if while_released not in ("eager", "raise"):
+            raise ValueError(f"while_released must be 'eager' or 'raise', got {while_released!r}")
+        if self._released is not None:
+            raise RuntimeError("this GraphRunner is released already: call restore() first")
+        runtime.require_cuda("GraphRunner.release")
+        torch.cuda.synchronize()
+        free_before, started = bindings.free_device_memory(), time.perf_counter()
+        if keep_graphs:
+            for graphed in self._graphed.values():
+                graphed.graph.release_executables()
+        else:
+            self._graphed.clear()
+            self.refusals.clear()
+            runtime.release_after_captures(self, "pool")
+            self.pool = None
+            torch.cuda.empty_cache()  # a dropped pool's blocks stay cached until emptied
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+        self._released, self._while_released = ("executables" if keep_graphs else "everything"), while_released
+        return {"freed_bytes": bindings.free_device_memory() - free_before, "seconds": seconds}
+
+    def restore(self) -> dict:
+        """Bring back what :meth:`release` gave up: instantiate the kept graphs again, or
+        capture again; replays then match those before the release. Returns the device
+        memory taken (``cudaMemGetInfo``) and the seconds it took."""
+        if self._released is None:
+            raise RuntimeError("this GraphRunner is not released: nothing to restore")
+        torch.cuda.synchronize()
+        free_before, started = bindings.free_device_memory(), time.perf_counter()
+        if self._released == "executables":
+            for graphed in self._graphed.values():
+                graphed.graph.restore_executables()
+            self._released = None
+            self._share()
+        else:
+            self._released = None
+            self.capture()
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+        return {"taken_bytes": free_before - bindings.free_device_memory(), "seconds": seconds}
+
     # -- report --------------------------------------------------------------------------
     def report(self, print_table: bool = True) -> dict:
         """Sizes captured, segments per size, capture time per size (and whether it needed a
@@ -270,6 +384,8 @@ class GraphRunner:
                 "size": size,
                 "graphs": graphed.graph.num_graphs,
                 "eager_breaks": graphed.graph.num_eager_breaks,
+                "executable_kib": round(graphed.graph.executable_bytes / 1024, 1),
+                "shared_segments": sum(1 for segment in graphed.graph.segments if getattr(segment, "shared", None) is not None),
                 "capture_ms": round(self._capture_seconds[(key, size)] * 1000, 2),
                 "warmed_up": (key, size) in self._warmed_up,
                 "first_use_ms": round(self._first_use_seconds[(key, size)] * 1000, 2)
@@ -282,15 +398,20 @@ class GraphRunner:
             {"key": "" if key is None else key, "mode": self.modes[key], "size": size, "reason": reason}
             for (key, size), reason in sorted(self._failed.items(), key=lambda item: (str(item[0][0]), item[0][1]))
         ]
-        total_bytes = pool_bytes(self.pool) if self.pool is not None else 0
-        report = {"rows": rows, "failed": failed, "pool_bytes": total_bytes, "eager_reason": self.eager_reason}
+        memory = self.memory()
+        total_bytes = memory["pool_bytes"]
+        report = {"rows": rows, "failed": failed, "eager_reason": self.eager_reason} | memory
         if print_table:
             if self.eager_reason is not None:
                 print(f"GraphRunner: eager ({self.eager_reason})")
             else:
-                columns = ["key", "mode", "size", "graphs", "eager_breaks", "capture_ms", "warmed_up"]
+                columns = ["key", "mode", "size", "graphs", "eager_breaks", "capture_ms", "warmed_up", "executable_kib"]
+                columns += ["shared_segments"] if self.share_executables else []
                 print(format_table(rows, columns + (["first_use_ms"] if self._first_use_seconds else [])))
-                print(f"{len(rows)} graphs captured, pool holds {total_bytes / 2**20:.1f} MiB")
+                print(
+                    f"{len(rows)} graphs captured, pool holds {total_bytes / 2**20:.1f} MiB, "
+                    f"executables {memory['executable_bytes'] / 2**20:.1f} MiB"
+                )
                 for row in failed:
                     print(f"size {row['size']} (key {row['key'] or None}) is served eagerly: its capture failed: {row['reason']}")
         return report

@@ -23,27 +23,91 @@ Launcher = Callable[[Any], Any]
 _launch = bindings.launch_function()
 
 
+def instantiate(graph: Graph, stream) -> tuple[GraphExec, int]:
+    """Instantiate ``graph`` and upload it on ``stream`` (so its first launch pays neither);
+    also return the device memory the driver took for it, read with ``cudaMemGetInfo``
+    around both (exact only while no other thread allocates device memory)."""
+    free_before = bindings.free_device_memory()
+    executable = graph.instantiate()
+    executable.upload(stream)
+    return executable, max(0, free_before - bindings.free_device_memory())
+
+
+class SharedExecutable:
+    """One executable serving the same segment of several graphs (say, one per batch
+    size): before launching for a graph whose parameters it does not hold, it takes
+    them with ``cudaGraphExecUpdate``, which CUDA applies to later launches only."""
+
+    def __init__(self, executable: GraphExec, holds: Graph):
+        self.executable = executable
+        self.holds = holds
+
+    def take(self, graph: Graph) -> None:
+        """Hold ``graph``'s parameters; raises ``GraphUpdateRefused`` (and then holds the
+        parameters it held before) when CUDA cannot update one graph into the other."""
+        try:
+            self.executable.update(graph)
+        except bindings.GraphUpdateRefused:
+            self.executable.update(self.holds)
+            raise
+        self.holds = graph
+
+    def launcher_for(self, graph: Graph) -> "Launcher":
+        shared, handle = self, self.executable.handle
+
+        def launch(stream):
+            if shared.holds is not graph:
+                shared.take(graph)
+            return _launch(handle, stream)
+
+        return launch
+
+
 @dataclass(eq=False)
 class GraphSegment:
-    """A captured CUDA graph, launched as one unit at replay."""
+    """A captured CUDA graph, launched as one unit at replay, through its own executable
+    or one it shares with the same segment of other graphs (``shared``).
+    ``executable_bytes`` is the device memory its own executable took (0 when shared)."""
 
     index: int
     name: str
     graph: Graph
-    executable: GraphExec
+    executable: GraphExec | None
     num_nodes: int
     side_streams: tuple[int, ...] = ()
+    executable_bytes: int = 0
+    shared: SharedExecutable | None = field(default=None, init=False)
     kind: str = field(default="graph", init=False)
     argument_addresses: tuple = field(default=(), init=False)
     result: Any = field(default=None, init=False)
     bytes_written: int = field(default=0, init=False)
 
     def launcher(self) -> Launcher:
+        if self.shared is not None:
+            return self.shared.launcher_for(self.graph)
+        if self.executable is None:
+            raise RuntimeError(f"{self.name}: its executable was released; restore it first")
         # A C-level partial: replay pays one cudaGraphLaunch call per graph segment, nothing more.
         return functools.partial(_launch, self.executable.handle)
 
+    def share(self, shared: SharedExecutable) -> None:
+        """Launch through ``shared`` (which already holds this graph's parameters or can
+        take them) and destroy this segment's own executable."""
+        self.drop_executable()
+        self.shared = shared
+
+    def drop_executable(self) -> None:
+        """Destroy this segment's own executable, or stop using a shared one; the graph stays."""
+        if self.shared is None and self.executable is not None:
+            self.executable.destroy()
+        self.executable, self.shared, self.executable_bytes = None, None, 0
+
+    def instantiate(self, stream) -> None:
+        """Instantiate this segment's graph again (after :meth:`drop_executable`)."""
+        self.executable, self.executable_bytes = instantiate(self.graph, stream)
+
     def release(self) -> None:
-        self.executable.destroy()
+        self.drop_executable()
         self.graph.destroy()
 
 

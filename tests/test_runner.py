@@ -90,3 +90,21 @@ def test_runner_modes_are_checked():
             bg.GraphRunner(lambda x: x, torch.zeros(4, 2), modes=["full"])
         runner = bg.GraphRunner(lambda x, key: x, torch.zeros(4, 2), keys=["a", "b"], key_fn=lambda x: ["a", "b"], modes={"a": "none", "b": "full"})
     assert runner.select(2, ["a", "b"]) == ("b", 2)  # a key with mode "none" has no graphs
+
+
+def test_memory_planning_arguments_are_checked_and_need_a_gpu_where_they_touch_one():
+    with pytest.raises(TypeError, match="share_executables must be True or False"):
+        bg.GraphRunner(lambda x: x, torch.zeros(4, 2), share_executables="yes")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        runner = bg.GraphRunner(lambda x: x, torch.zeros(4, 2), progress=False)
+    with pytest.raises(ValueError, match="while_released must be 'eager' or 'raise'"):
+        runner.release(while_released="sleep")
+    with pytest.raises(RuntimeError, match="not released"):
+        runner.restore()
+    assert runner.memory() == {"pool_bytes": 0, "executable_bytes": 0, "total_bytes": 0}
+    if not cuda_available():
+        with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+            runner.release()
+        with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+            runner.estimate_memory()

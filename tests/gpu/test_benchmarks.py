@@ -17,6 +17,7 @@ pytestmark = pytest.mark.gpu
         ("capture_time", ["capture_time", "capture_startup"]),
         ("training_step", ["training_step"]),
         ("soak", ["soak"]),
+        ("graph_memory", ["graph_memory"]),
     ],
 )
 def test_benchmark_quick_run(name, outputs, tmp_path):

@@ -43,6 +43,37 @@ def test_capture_instantiate_upload_launch_and_update():
     assert not executable.alive and not doubled.alive
 
 
+def test_an_update_across_topologies_is_refused_with_cuda_s_reason_and_the_executable_can_be_updated_back():
+    stream = torch.cuda.Stream()
+    x, y = torch.randn(4096, device=DEV), torch.empty(4096, device=DEV)
+    torch.cuda.synchronize()
+    doubled = _capture(stream, lambda: torch.mul(x, 2.0, out=y))
+    two_steps = _capture(stream, lambda: (torch.mul(x, 2.0, out=y), y.add_(1.0)))
+    executable = doubled.instantiate()
+    with pytest.raises(bindings.GraphUpdateRefused) as refused:
+        executable.update(two_steps)
+    assert refused.value.reason == "ErrorTopologyChanged" and "cudaGraphExecUpdate" in str(refused.value)
+    executable.update(doubled)
+    y.fill_(float("nan"))
+    executable.launch(stream)
+    bindings.synchronize(stream)
+    torch.testing.assert_close(y, x * 2)
+
+
+def test_free_device_memory_sees_allocations_and_graph_memory_nodes_hold_nothing():
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = bindings.free_device_memory()
+    block = torch.empty(256 * 2**20, dtype=torch.uint8, device=DEV)
+    assert before - bindings.free_device_memory() >= 256 * 2**20
+    del block
+    torch.cuda.empty_cache()
+    assert bindings.free_device_memory() >= before - 4 * 2**20
+    device = torch.cuda.current_device()
+    bindings.trim_graph_memory(device)
+    assert bindings.graph_allocation_bytes(device) == 0  # torch's allocator makes no graph memory nodes
+
+
 def test_capture_status_and_info_follow_the_capture():
     stream = torch.cuda.Stream()
     x = torch.zeros(16, device=DEV)

@@ -1,0 +1,172 @@
+"""Graph memory an engine can plan around: shared executables, the estimate, release and restore,
+every replay checked against eager (or, after a restore, bit for bit against before)."""
+
+import functools
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import breakgraph as bg
+import breakgraph_bindings as bindings
+from breakgraph.demo import TinyTransformer
+from tests.helpers import assert_close, normalize, normalized_model, poison_
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+SIZES = [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+
+
+def _model(dim=64, heads=4):
+    torch.manual_seed(0)
+    return TinyTransformer(dim=dim, heads=heads, layers=2).to(DEV).eval()
+
+
+def _runner(model, seq=8, dim=64, **options):
+    static = torch.zeros(max(SIZES), seq, dim, device=DEV)
+    return bg.GraphRunner(model, static, SIZES, progress=False, **options)
+
+
+@functools.cache
+def _shared_runner():
+    model = _model()
+    with torch.no_grad():
+        return model, _runner(model, share_executables=True).capture()
+
+
+@torch.no_grad()
+@settings(max_examples=10, deadline=None)
+@given(st.lists(st.integers(1, max(SIZES)), min_size=4, max_size=16), st.integers(0, 2**16))
+def test_shared_executables_serve_every_size_like_eager_in_any_order(batch_sizes, seed):
+    model, runner = _shared_runner()
+    generator = torch.Generator(device=DEV).manual_seed(seed)
+    for n in batch_sizes:
+        x = torch.randn(n, 8, 64, device=DEV, generator=generator)
+        assert_close(runner(x), model(x), 1e-4, 1e-4)
+
+
+@torch.no_grad()
+def test_sharing_keeps_one_executable_per_segment_where_cuda_updates_it():
+    model, shared = _shared_runner()
+    own = _runner(model).capture()
+    largest = shared.graphs[(None, max(SIZES))]
+    sharing = [segment.shared for segment in largest.segments if segment.kind == "graph"]
+    assert all(handle is not None for handle in sharing)
+    for size in SIZES:
+        refused = {refusal.segment for refusal in shared.refusals.get((None, size), [])}
+        for segment in shared.graphs[(None, size)].segments:
+            if segment.kind == "graph" and segment.index not in refused:
+                assert segment.shared is largest.segments[segment.index].shared and segment.executable_bytes == 0
+    assert all(isinstance(r.reason, str) and r.reason for refused in shared.refusals.values() for r in refused)
+    assert shared.memory()["executable_bytes"] <= own.memory()["executable_bytes"]
+    report = shared.report(print_table=False)
+    assert sum(row["shared_segments"] for row in report["rows"]) > 0
+
+
+def test_graphs_of_different_structure_keep_their_own_executables_and_replay_right():
+    x = torch.randn(16, 64, device=DEV)
+    w = torch.randn(64, 64, device=DEV) / 8
+    graphs, outputs = [], []
+    for body in (lambda: normalized_model(x, w), lambda: normalize(x @ w) * 2):
+        graph = bg.BreakableCUDAGraph()
+        with bg.BreakableCUDAGraphCapture(graph):
+            outputs.append(body())
+        graphs.append(graph)
+    refusals = bg.share_executables(graphs)
+    assert refusals and {r.reason for r in refusals} == {"different segments and breaks"}
+    for _ in range(2):
+        fresh = torch.randn_like(x)
+        x.copy_(fresh)
+        for out in outputs:
+            poison_(out)
+        graphs[1].replay()
+        graphs[0].replay()
+        assert_close(outputs[0], normalized_model(fresh, w), 1e-4, 1e-4)
+        assert_close(outputs[1], normalize(fresh @ w) * 2, 1e-4, 1e-4)
+
+
+@torch.no_grad()
+def test_estimate_memory_is_within_ten_percent_of_what_the_graphs_hold():
+    model = _model(dim=256, heads=8)
+    runner = _runner(model, seq=32, dim=256)
+    estimate = runner.estimate_memory()
+    assert len(estimate.probed_sizes) == 5 and max(SIZES) in estimate.probed_sizes and 1 in estimate.probed_sizes
+    runner.capture()
+    measured = runner.memory()
+    assert measured["total_bytes"] == measured["pool_bytes"] + measured["executable_bytes"] > 0
+    assert abs(estimate.total_bytes / measured["total_bytes"] - 1) <= 0.10, (estimate, measured)
+    with pytest.raises(RuntimeError, match="before capture"):
+        runner.estimate_memory()
+
+
+def _outputs(runner, inputs):
+    return [runner(x).clone() for x in inputs]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("keep_graphs", [True, False])
+def test_release_frees_memory_serves_eagerly_or_raises_and_restore_replays_bit_identically(keep_graphs):
+    model = _model()
+    runner = _runner(model).capture()
+    inputs = [torch.randn(n, 8, 64, device=DEV) for n in (1, 5, 24, 64)]
+    before = _outputs(runner, inputs)
+    held = runner.memory()
+    released = runner.release(keep_graphs=keep_graphs)
+    if not keep_graphs:  # the pool and the executables: at least 90 % of what the graphs held comes back
+        assert released["freed_bytes"] >= 0.9 * held["total_bytes"], (released, held)
+    for x, expected in zip(inputs, before):
+        assert_close(runner(x), expected, 1e-4, 1e-4)  # eagerly, while released
+    with pytest.raises(RuntimeError, match="released already"):
+        runner.release()
+    restored = runner.restore()
+    assert restored["seconds"] >= 0
+    after = _outputs(runner, inputs)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    runner.release(keep_graphs=keep_graphs, while_released="raise")
+    with pytest.raises(RuntimeError, match="call runner.restore"):
+        runner(inputs[0])
+    runner.restore()
+    assert all(torch.equal(a, b) for a, b in zip(before, _outputs(runner, inputs)))
+    with pytest.raises(RuntimeError, match="not released"):
+        runner.restore()
+
+
+def test_a_graph_releases_and_restores_its_executables_and_replays_the_same():
+    x = torch.randn(16, 64, device=DEV)
+    w = torch.randn(64, 64, device=DEV) / 8
+    graph = bg.BreakableCUDAGraph()
+    with bg.BreakableCUDAGraphCapture(graph):
+        out = normalized_model(x, w)
+    graph.replay()
+    expected = out.clone()
+    graph.release_executables()
+    assert graph.captured and graph.executable_bytes == 0
+    with pytest.raises(RuntimeError, match="restore_executables"):
+        graph.replay()
+    graph.restore_executables()
+    poison_(out)
+    graph.replay()
+    assert torch.equal(out, expected)
+    graph.release_executables()
+    graph.reset()  # a released graph can be reset and captured again
+    with bg.BreakableCUDAGraphCapture(graph):
+        out = normalized_model(x, w)
+    poison_(out)
+    graph.replay()
+    assert_close(out, normalized_model(x, w), 1e-4, 1e-4)
+
+
+def test_executable_bytes_are_measured_per_segment_at_instantiation():
+    torch.cuda.synchronize()
+    free_before = bindings.free_device_memory()
+    x = torch.randn(16, 64, device=DEV)
+    w = torch.randn(64, 64, device=DEV) / 8
+    graphs = []
+    for _ in range(50):
+        graph = bg.BreakableCUDAGraph(pool=graphs[0].pool if graphs else None)
+        with bg.BreakableCUDAGraphCapture(graph):
+            normalized_model(x, w)
+        graphs.append(graph)
+    measured = sum(graph.executable_bytes for graph in graphs)
+    assert all(segment.executable_bytes >= 0 for graph in graphs for segment in graph.segments if segment.kind == "graph")
+    assert measured <= free_before - bindings.free_device_memory()  # the pool is in the difference too
