@@ -55,7 +55,7 @@ class Graph:
 
 class GraphUpdateRefused(CudaError):
     """``cudaGraphExecUpdate`` refused a graph; ``reason`` is CUDA's update result
-    (``ErrorTopologyChanged``, ``ErrorNodeTypeChanged``, ...)."""
+    (``ErrorTopologyChanged``, ...) where the binding reports it, else the error's name."""
 
     def __init__(self, code, function: str, detail: str, reason: str):
         super().__init__(code, function, detail)
@@ -84,9 +84,9 @@ class GraphExec:
         update (topology, node types, ...); what the executable holds after a refusal
         is not promised, so update it again with the graph it should hold."""
         err, info = cudart.cudaGraphExecUpdate(self.handle, graph.handle)
-        if err != _SUCCESS:
-            reason = info.result.name.removeprefix("cudaGraphExecUpdate")
-            raise GraphUpdateRefused(err, "cudaGraphExecUpdate", f"update result {reason}", reason)
+        if err != _SUCCESS:  # cuda-bindings returns no result info with an error
+            reason = info.result.name.removeprefix("cudaGraphExecUpdate") if info is not None else CudaError(err).name
+            raise GraphUpdateRefused(err, "cudaGraphExecUpdate", "", reason)
 
     def destroy(self) -> None:
         """Destroy now rather than at garbage collection; later calls do nothing."""

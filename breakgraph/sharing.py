@@ -55,6 +55,10 @@ def share_executables(graphs: Sequence[BreakableCUDAGraph]) -> list[Refusal]:
             if not same_structure:
                 refusals.append(Refusal(position, segment.index, "different segments and breaks"))
                 continue
+            holder = reference.segments[segment.index]
+            if segment.num_nodes != holder.num_nodes:  # CUDA would refuse it: a different topology
+                refusals.append(Refusal(position, segment.index, f"{segment.num_nodes} nodes, not {holder.num_nodes}"))
+                continue
             try:
                 shared[segment.index].take(segment.graph)
             except bindings.GraphUpdateRefused as refused:
