@@ -28,6 +28,8 @@ import torch
 import breakgraph as bg
 import breakgraph_bindings as bindings
 
+from breakgraph.pool import PoolUsage
+
 from benchmarks.common import device_meta, time_variants, write_outputs
 from benchmarks.decoder import BatchInputs, Decoder, DecoderConfig, attention_break, check_sizes, runner_replay
 
@@ -47,6 +49,10 @@ def outputs_at(inputs: BatchInputs, runner: bg.GraphRunner, sizes) -> dict:
 
 def bit_identical(before: dict, after: dict) -> bool:
     return all(torch.equal(before[size], after[size]) for size in before)
+
+
+def largest_difference(before: dict, after: dict) -> float:
+    return max(float((before[size].float() - after[size].float()).abs().max()) for size in before)
 
 
 def measure_model(name: str, config: DecoderConfig, sizes: list[int]) -> tuple[list[dict], dict]:
@@ -88,16 +94,31 @@ def measure_model(name: str, config: DecoderConfig, sizes: list[int]) -> tuple[l
     row("measured: runner.memory()", measured["pool_bytes"], measured["executable_bytes"], measured["total_bytes"],
         capture_s + estimate.seconds, f"{len(sizes)} sizes captured; max abs diff vs eager {worst:.3g}")
     row("measured: cudaMemGetInfo around the capture", total=device_taken, note="pool + executables + anything else")
-    facts.update(estimate_error=round(error, 4), max_abs_diff=worst)
+    final = PoolUsage.of(runner.pool)
+    facts.update(
+        estimate_error=round(error, 4),
+        max_abs_diff=worst,
+        estimate={"pool": estimate.pool_bytes, "executables": estimate.executable_bytes,
+                  "allocated_after_probes": estimate.pool_allocated_after_probes,
+                  "probes": [vars(probe) for probe in estimate.probes]},
+        measured={"pool": final.reserved_bytes, "allocated": final.allocated_bytes,
+                  "executables": measured["executable_bytes"],
+                  "nodes_by_size": {size: sum(s.num_nodes for s in runner.graphs[(None, size)].segments) for size in sizes},
+                  "executable_bytes_by_size": {size: runner.graphs[(None, size)].executable_bytes for size in sizes}},
+    )
 
     # Executables only: release (the driver's memory), trim, restore (instantiation time).
     reference = outputs_at(inputs, runner, sizes)
+    again = outputs_at(inputs, runner, sizes)  # how alike two rounds of replays are, nothing released
+    facts.update(replays_bit_identical=bit_identical(reference, again), replays_differ_by=largest_difference(reference, again))
     released = runner.release(keep_graphs=True)
     free_released = free_after_sync()
     bindings.trim_graph_memory(torch.cuda.current_device())
     trimmed = free_after_sync() - free_released
     restored = runner.restore()
-    same = bit_identical(reference, outputs_at(inputs, runner, sizes))
+    after = outputs_at(inputs, runner, sizes)
+    same = bit_identical(reference, after)
+    facts.update(keep_graphs_differ_by=largest_difference(reference, after))
     row("release(keep_graphs=True)", executables=released["freed_bytes"], seconds=released["seconds"],
         note=f"executables measured at instantiation: {measured['executable_bytes'] / MIB:.1f} MiB; "
         f"cudaDeviceGraphMemTrim then freed {trimmed / MIB:.1f} MiB")
@@ -113,10 +134,12 @@ def measure_model(name: str, config: DecoderConfig, sizes: list[int]) -> tuple[l
     # Everything: release the pool and the executables, restore by capturing again.
     released = runner.release(keep_graphs=False)
     restored = runner.restore()
-    same = bit_identical(reference, outputs_at(inputs, runner, sizes))
+    after = outputs_at(inputs, runner, sizes)
+    same = bit_identical(reference, after)
+    facts.update(everything_differs_by=largest_difference(reference, after))
     share = released["freed_bytes"] / max(1, measured["total_bytes"])
     row("release(): everything", total=released["freed_bytes"], seconds=released["seconds"],
-        note=f"{share:.0%} of what the graphs held")
+        note=f"{share:.0%} of what the graphs held ({released['freed_bytes'] / max(1, measured['pool_bytes']):.0%} of the pool)")
     row("restore(): capture again", total=restored["taken_bytes"], seconds=restored["seconds"],
         note=f"replays bit-identical to before: {same}")
     facts.update(release_all_share=round(share, 3), release_all_bit_identical=same)
@@ -133,10 +156,12 @@ def measure_model(name: str, config: DecoderConfig, sizes: list[int]) -> tuple[l
     refusals = [refusal for refused in shared.refusals.values() for refusal in refused]
     reasons = sorted({refusal.reason for refusal in refusals})
     segments = sum(1 for segment in shared.graphs[(None, large)].segments if segment.kind == "graph")
+    graph_segments = [s for graph in shared.graphs.values() for s in graph.segments if s.kind == "graph"]
+    executables = sum(1 for s in graph_segments if s.executable is not None)
     row("share_executables=True", shared_memory["pool_bytes"], shared_memory["executable_bytes"],
         shared_memory["total_bytes"], shared_capture_s,
-        f"{len(refusals)} of {segments * (len(sizes) - 1)} segment updates refused {reasons}; "
-        f"cudaMemGetInfo around the capture {shared_taken / MIB:.1f} MiB; max abs diff {worst_shared:.3g}")
+        f"{executables} executables for {len(graph_segments)} graph segments; {len(refusals)} updates refused "
+        f"{reasons}; cudaMemGetInfo around the capture {shared_taken / MIB:.1f} MiB; max abs diff {worst_shared:.3g}")
     timings = time_variants(
         {
             "own, alternating": alternating(runner),
@@ -154,6 +179,8 @@ def measure_model(name: str, config: DecoderConfig, sizes: list[int]) -> tuple[l
         f"{timings['shared, alternating']:.0f} µs alternating, {timings['shared, same size']:.0f} µs same size)")
     facts.update(
         refusals=len(refusals),
+        executables_kept=executables,
+        graph_segments=len(graph_segments),
         refusal_reasons=reasons,
         executables_own=measured["executable_bytes"],
         executables_shared=shared_memory["executable_bytes"],

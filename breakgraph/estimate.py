@@ -23,22 +23,26 @@ SEGMENT_BYTES = 2 * 2**20
 
 @dataclass(frozen=True)
 class Probe:
-    """One probed size: the bytes it left allocated in the pool, and the device memory its
-    executables took."""
+    """One probed size: the bytes it left allocated in the pool, the device memory its
+    executables took, and the pool's reserved bytes after it."""
 
     size: int
     kept_bytes: int
     executable_bytes: int
+    pool_bytes: int = 0
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """The estimate for every size: pool bytes (reserved), executable bytes, and how it was made."""
+    """The estimate for every size: pool bytes (reserved), executable bytes, and how it was
+    made (the probes, and the pool's allocated bytes after them)."""
 
     pool_bytes: int
     executable_bytes: int
     probed_sizes: tuple[int, ...]
     seconds: float
+    probes: tuple[Probe, ...] = ()
+    pool_allocated_after_probes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -70,7 +74,11 @@ def line(points: Sequence[tuple[float, float]]):
 
 
 def extrapolate(
-    sizes_by_key: dict, probes_by_key: dict, pool_bytes_after_probes: int, seconds: float = 0.0
+    sizes_by_key: dict,
+    probes_by_key: dict,
+    pool_bytes_after_probes: int,
+    seconds: float = 0.0,
+    pool_allocated_after_probes: int = 0,
 ) -> MemoryEstimate:
     """Estimate pool and executable bytes for every key's sizes from its probes (captured
     largest first) and the shared pool's reserved bytes after all of them.
@@ -91,4 +99,7 @@ def extrapolate(
         more_kept += sum(max(0.0, kept(size)) for size in rest)
         executable += sum(p.executable_bytes for p in probes) + sum(max(0.0, executables(size)) for size in rest)
     pool = pool_bytes_after_probes + math.ceil(more_kept / SEGMENT_BYTES) * SEGMENT_BYTES
-    return MemoryEstimate(int(pool), int(round(executable)), tuple(sorted(probed_sizes)), seconds)
+    probes = tuple(probe for key in probes_by_key for probe in probes_by_key[key])
+    return MemoryEstimate(
+        int(pool), int(round(executable)), tuple(sorted(probed_sizes)), seconds, probes, pool_allocated_after_probes
+    )

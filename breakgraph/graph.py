@@ -79,6 +79,11 @@ class BreakableCUDAGraph:
         return self._plan is not None or self._released
 
     @property
+    def released(self) -> bool:
+        """Whether :meth:`release_executables` left this graph without executables."""
+        return self._released
+
+    @property
     def executable_bytes(self) -> int:
         """Device memory the driver took for this graph's own executables, measured with
         ``cudaMemGetInfo`` at instantiation (segments sharing another graph's count 0)."""

@@ -315,13 +315,17 @@ class GraphRunner:
             self.pool = new_pool()
         probes_by_key = {}
         work = sorted(((key, size) for key in self.keys for size in probe_sizes(self.sizes_by_key[key], probes)), key=lambda item: -item[1])
+        usage = PoolUsage.of(self.pool)
         for key, size in work:
-            kept_before = PoolUsage.of(self.pool).allocated_bytes
+            kept_before = usage.allocated_bytes
             graphed = self._capture_one(key, size)
+            usage = PoolUsage.of(self.pool)
             if graphed is not None:
-                kept = PoolUsage.of(self.pool).allocated_bytes - kept_before
-                probes_by_key.setdefault(key, []).append(Probe(size, kept, graphed.graph.executable_bytes))
-        return extrapolate(self.sizes_by_key, probes_by_key, pool_bytes(self.pool), time.perf_counter() - started)
+                kept = usage.allocated_bytes - kept_before
+                probe = Probe(size, kept, graphed.graph.executable_bytes, usage.reserved_bytes)
+                probes_by_key.setdefault(key, []).append(probe)
+        seconds = time.perf_counter() - started
+        return extrapolate(self.sizes_by_key, probes_by_key, usage.reserved_bytes, seconds, usage.allocated_bytes)
 
     def release(self, keep_graphs: bool = False, while_released: str = "eager") -> dict:
         """Give the graphs' device memory back, as an engine going to sleep does.
@@ -345,9 +349,8 @@ class GraphRunner:
         else:
             self._graphed.clear()
             self.refusals.clear()
-            runtime.release_after_captures(self, "pool")
+            runtime.release_after_captures(self, "pool")  # a MemPool gives its cached blocks back as it dies
             self.pool = None
-            torch.cuda.empty_cache()  # a dropped pool's blocks stay cached until emptied
         torch.cuda.synchronize()
         seconds = time.perf_counter() - started
         self._released, self._while_released = ("executables" if keep_graphs else "everything"), while_released

@@ -46,21 +46,25 @@ def test_shared_executables_serve_every_size_like_eager_in_any_order(batch_sizes
 
 
 @torch.no_grad()
-def test_sharing_keeps_one_executable_per_segment_where_cuda_updates_it():
+def test_sharing_keeps_one_executable_per_segment_and_topology():
     model, shared = _shared_runner()
     own = _runner(model).capture()
-    largest = shared.graphs[(None, max(SIZES))]
-    sharing = [segment.shared for segment in largest.segments if segment.kind == "graph"]
-    assert all(handle is not None for handle in sharing)
-    for size in SIZES:
-        refused = {refusal.segment for refusal in shared.refusals.get((None, size), [])}
-        for segment in shared.graphs[(None, size)].segments:
-            if segment.kind == "graph" and segment.index not in refused:
-                assert segment.shared is largest.segments[segment.index].shared and segment.executable_bytes == 0
+    segments = [s for graph in shared.graphs.values() for s in graph.segments if s.kind == "graph"]
+    owners = [s for s in segments if s.executable is not None]
+    sharers = [s for s in segments if s.executable is None]
+    assert sharers and all(s.shared is not None and s.executable_bytes == 0 for s in sharers)
+    by_executable = {}
+    for s in segments:  # every segment launching one executable has that executable's topology
+        handle = s.shared.executable if s.shared is not None else s.executable
+        by_executable.setdefault(id(handle), set()).add((s.index, s.num_nodes))
+    assert len(by_executable) == len(owners) < len(segments)
+    assert all(len(topology) == 1 for topology in by_executable.values())
     assert all(isinstance(r.reason, str) and r.reason for refused in shared.refusals.values() for r in refused)
     assert shared.memory()["executable_bytes"] <= own.memory()["executable_bytes"]
     report = shared.report(print_table=False)
-    assert sum(row["shared_segments"] for row in report["rows"]) > 0
+    assert sum(row["shared_segments"] for row in report["rows"]) == len(owners) + len(sharers) - sum(
+        1 for s in owners if s.shared is None
+    )
 
 
 def test_graphs_of_different_structure_keep_their_own_executables_and_replay_right():
