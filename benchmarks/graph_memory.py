@@ -179,6 +179,19 @@ def measure_model(name: str, config: DecoderConfig, sizes: list[int]) -> tuple[l
         note=f"{switch_us:.0f} µs per size change, {switch_us / segments:.1f} µs per segment "
         f"(pairs of replays: own {timings['own, alternating']:.0f} µs alternating, shared "
         f"{timings['shared, alternating']:.0f} µs alternating, {timings['shared, same size']:.0f} µs same size)")
+    released = shared.release(keep_graphs=True)
+    restored = shared.restore()  # instantiates every segment again, then shares
+    row("restore(), shared executables: instantiate and share", executables=restored["taken_bytes"],
+        seconds=restored["seconds"], note="compare restore(): instantiate again above (no sharing)")
+    shared_reference = outputs_at(inputs, shared, sizes)
+    released = shared.release(keep_graphs=False)
+    restored = shared.restore()
+    shared_after = outputs_at(inputs, shared, sizes)
+    shared_share = released["freed_bytes"] / max(1, shared_memory["total_bytes"])
+    row("release(): everything, shared executables", total=released["freed_bytes"], seconds=released["seconds"],
+        note=f"{shared_share:.0%} of what the graphs held; restore (capture again) {restored['seconds']:.2f} s, "
+        f"replays differ from before by {largest_difference(shared_reference, shared_after):.3g}")
+    facts.update(release_all_shared_share=round(shared_share, 3))
     facts.update(
         refusals=len(refusals),
         executables_kept=executables,
