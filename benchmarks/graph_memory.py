@@ -92,7 +92,7 @@ def measure_model(name: str, config: DecoderConfig, sizes: list[int]) -> tuple[l
     error = estimate.total_bytes / measured["total_bytes"] - 1
     row("estimate_memory(), 5 probes", estimate.pool_bytes, estimate.executable_bytes, estimate.total_bytes,
         estimate.seconds, f"{error:+.1%} vs measured; probes {list(estimate.probed_sizes)}")
-    row("measured: runner.memory()", measured["pool_bytes"], measured["executable_bytes"], measured["total_bytes"],
+    row("measured: breakgraph runner.memory()", measured["pool_bytes"], measured["executable_bytes"], measured["total_bytes"],
         capture_s + estimate.seconds, f"{len(sizes)} sizes captured; max abs diff vs eager {worst:.3g}")
     row("measured: cudaMemGetInfo around the capture", total=device_taken, note="pool + executables + anything else")
     final = PoolUsage.of(runner.pool)
