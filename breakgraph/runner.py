@@ -67,8 +67,9 @@ class GraphRunner:
     the other sizes keep their graphs; ``report()`` lists it. The default,
     "raise", propagates the error.
 
-    ``share_executables=True`` keeps one executable per segment for all the
-    sizes of a key (``cudaGraphExecUpdate``), rather than one per size: less
+    ``share_executables=True`` keeps one executable per segment and topology
+    for all the sizes of a key (``cudaGraphExecUpdate``), rather than one per
+    segment per size: less
     device memory, and a replay whose size differs from the previous one's
     first updates each shared segment. Memory an engine can plan around:
     :meth:`estimate_memory` (before capturing), :meth:`memory`,
@@ -177,8 +178,8 @@ class GraphRunner:
         return self
 
     def _share(self) -> None:
-        """With ``share_executables``, let every key's graphs launch the executables of the
-        key's first captured graph where CUDA can update them (see :mod:`breakgraph.sharing`)."""
+        """With ``share_executables``, let every key's graphs launch one executable per
+        segment and topology where CUDA can update them (see :mod:`breakgraph.sharing`)."""
         if not self.share_executables:
             return
         for key in self.keys:
