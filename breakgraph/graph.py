@@ -87,7 +87,7 @@ class BreakableCUDAGraph:
     def executable_bytes(self) -> int:
         """Device memory the driver took for this graph's own executables, measured with
         ``cudaMemGetInfo`` at instantiation (segments sharing another graph's count 0)."""
-        return sum(getattr(segment, "executable_bytes", 0) for segment in self._segments)
+        return sum(segment.executable_bytes for segment in self._segments)
 
     @property
     def device(self) -> torch.device | None:

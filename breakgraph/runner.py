@@ -342,20 +342,19 @@ class GraphRunner:
         if self._released is not None:
             raise RuntimeError("this GraphRunner is released already: call restore() first")
         runtime.require_cuda("GraphRunner.release")
-        torch.cuda.synchronize()
-        free_before, started = bindings.free_device_memory(), time.perf_counter()
-        if keep_graphs:
-            for graphed in self._graphed.values():
-                graphed.graph.release_executables()
-        else:
-            self._graphed.clear()
-            self.refusals.clear()
-            runtime.release_after_captures(self, "pool")  # a MemPool gives its cached blocks back as it dies
-            self.pool = None
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - started
+        taken_bytes, seconds = _measured(self._release_executables if keep_graphs else self._release_everything)
         self._released, self._while_released = ("executables" if keep_graphs else "everything"), while_released
-        return {"freed_bytes": bindings.free_device_memory() - free_before, "seconds": seconds}
+        return {"freed_bytes": -taken_bytes, "seconds": seconds}
+
+    def _release_executables(self) -> None:
+        for graphed in self._graphed.values():
+            graphed.graph.release_executables()
+
+    def _release_everything(self) -> None:
+        self._graphed.clear()
+        self.refusals.clear()
+        runtime.release_after_captures(self, "pool")  # a MemPool gives its cached blocks back as it dies
+        self.pool = None
 
     def restore(self) -> dict:
         """Bring back what :meth:`release` gave up: instantiate the kept graphs again, or
@@ -363,19 +362,18 @@ class GraphRunner:
         memory taken (``cudaMemGetInfo``) and the seconds it took."""
         if self._released is None:
             raise RuntimeError("this GraphRunner is not released: nothing to restore")
-        torch.cuda.synchronize()
-        free_before, started = bindings.free_device_memory(), time.perf_counter()
-        if self._released == "executables":
-            for graphed in self._graphed.values():
-                graphed.graph.restore_executables()
-            self._released = None
-            self._share()
-        else:
-            self._released = None
-            self.capture()
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - started
-        return {"taken_bytes": free_before - bindings.free_device_memory(), "seconds": seconds}
+        taken_bytes, seconds = _measured(self._restore_executables if self._released == "executables" else self._capture_again)
+        return {"taken_bytes": taken_bytes, "seconds": seconds}
+
+    def _restore_executables(self) -> None:
+        for graphed in self._graphed.values():
+            graphed.graph.restore_executables()
+        self._released = None
+        self._share()
+
+    def _capture_again(self) -> None:
+        self._released = None
+        self.capture()
 
     # -- report --------------------------------------------------------------------------
     def report(self, print_table: bool = True) -> dict:
@@ -389,7 +387,7 @@ class GraphRunner:
                 "graphs": graphed.graph.num_graphs,
                 "eager_breaks": graphed.graph.num_eager_breaks,
                 "executable_kib": round(graphed.graph.executable_bytes / 1024, 1),
-                "shared_segments": sum(1 for segment in graphed.graph.segments if getattr(segment, "shared", None) is not None),
+                "shared_segments": sum(1 for segment in graphed.graph.segments if segment.shared is not None),
                 "capture_ms": round(self._capture_seconds[(key, size)] * 1000, 2),
                 "warmed_up": (key, size) in self._warmed_up,
                 "first_use_ms": round(self._first_use_seconds[(key, size)] * 1000, 2)
@@ -403,7 +401,6 @@ class GraphRunner:
             for (key, size), reason in sorted(self._failed.items(), key=lambda item: (str(item[0][0]), item[0][1]))
         ]
         memory = self.memory()
-        total_bytes = memory["pool_bytes"]
         report = {"rows": rows, "failed": failed, "eager_reason": self.eager_reason} | memory
         if print_table:
             if self.eager_reason is not None:
@@ -413,10 +410,20 @@ class GraphRunner:
                 columns += ["shared_segments"] if self.share_executables else []
                 print(format_table(rows, columns + (["first_use_ms"] if self._first_use_seconds else [])))
                 print(
-                    f"{len(rows)} graphs captured, pool holds {total_bytes / 2**20:.1f} MiB, "
+                    f"{len(rows)} graphs captured, pool holds {memory['pool_bytes'] / 2**20:.1f} MiB, "
                     f"executables {memory['executable_bytes'] / 2**20:.1f} MiB"
                 )
                 for row in failed:
                     print(f"size {row['size']} (key {row['key'] or None}) is served eagerly: its capture failed: {row['reason']}")
         return report
 
+
+def _measured(action: Callable[[], object]) -> tuple[int, float]:
+    """Run ``action`` with the device idle before and after; return the device memory it
+    took (``cudaMemGetInfo``, negative when it freed some) and the seconds it took."""
+    torch.cuda.synchronize()
+    free_before, started = bindings.free_device_memory(), time.perf_counter()
+    action()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    return free_before - bindings.free_device_memory(), seconds

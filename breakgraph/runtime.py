@@ -156,13 +156,18 @@ def _kept_stream(device: torch.device) -> torch.cuda.Stream:
     kept = _kept_streams.__dict__.setdefault("by_device", {})
     for _ in range(_POOLED_STREAMS + 1):
         stream = kept.get(device.index)
-        if stream is not None and _claims.get(stream.cuda_stream, (threading.get_ident(),))[0] == threading.get_ident():
+        if stream is not None and not _held_by_another_thread(stream):
             return stream
         kept[device.index] = torch.cuda.Stream(device)
     raise RuntimeError(
         f"every stream in torch's pool for {device} is being captured on by other threads; "
         "pass each capture a stream of its own (stream=...)"
     )
+
+
+def _held_by_another_thread(stream: torch.cuda.Stream) -> bool:
+    """Whether another thread's capture holds ``stream`` (call under ``_claims_lock``)."""
+    return _claims.get(stream.cuda_stream, (threading.get_ident(),))[0] != threading.get_ident()
 
 
 def run_on_stream(stream: torch.cuda.Stream, function: Callable[[], T]) -> T:

@@ -135,6 +135,8 @@ class EagerSegment:
     kind: str = field(default="eager", init=False)
     num_nodes: int = field(default=0, init=False)
     side_streams: tuple[int, ...] = field(default=(), init=False)
+    executable_bytes: int = field(default=0, init=False)
+    shared: None = field(default=None, init=False)
 
     def launcher(self) -> Launcher:
         segment, function, args, kwargs, write = self, self.function, self.args, self.kwargs, self.write
