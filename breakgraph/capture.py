@@ -37,7 +37,9 @@ class BreakableCUDAGraphCapture:
     fails the capture with an error that says to use the breakable mode.
     ``barrier_fn`` is called after a segment ends and before each break runs,
     and once when the capture ends: tensor-parallel ranks stay in step at
-    every break during capture.
+    every break during capture. ``measure_memory=True`` measures the device
+    memory each segment's executable takes (``graph.executable_bytes``; about
+    10 µs per segment, so off unless asked; :class:`GraphRunner` always measures).
 
     Any exception inside the block ends the CUDA capture, discards what was
     captured, restores the stream, pool routing and hooks, and propagates.
@@ -52,12 +54,13 @@ class BreakableCUDAGraphCapture:
         generators=(),
         breaks: str = "eager",
         barrier_fn=None,
+        measure_memory: bool = False,
     ):
         if not isinstance(graph, BreakableCUDAGraph):
             raise TypeError(f"expected a BreakableCUDAGraph, got {type(graph).__name__}")
         self.graph = graph
         self.stream = stream
-        self.options = CaptureOptions.parse(capture_error_mode, random_ops, generators, breaks, barrier_fn)
+        self.options = CaptureOptions.parse(capture_error_mode, random_ops, generators, breaks, barrier_fn, measure_memory)
         self._scope: contextlib.ExitStack | None = None
 
     def __enter__(self) -> BreakableCUDAGraph:

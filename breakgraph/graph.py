@@ -84,10 +84,12 @@ class BreakableCUDAGraph:
         return self._released
 
     @property
-    def executable_bytes(self) -> int:
+    def executable_bytes(self) -> int | None:
         """Device memory the driver took for this graph's own executables, measured with
-        ``cudaMemGetInfo`` at instantiation (segments sharing another graph's count 0)."""
-        return sum(segment.executable_bytes for segment in self._segments)
+        ``cudaMemGetInfo`` at instantiation (segments sharing another graph's count 0);
+        None when the capture did not measure (``measure_memory=False``)."""
+        measured = [segment.executable_bytes for segment in self._segments]
+        return None if None in measured else sum(measured)
 
     @property
     def device(self) -> torch.device | None:
@@ -108,6 +110,7 @@ class BreakableCUDAGraph:
         generators=(),
         breaks: str = "eager",
         barrier_fn=None,
+        measure_memory: bool = False,
     ) -> None:
         """Begin capturing on the current stream, which must not be the default stream.
 
@@ -115,7 +118,7 @@ class BreakableCUDAGraph:
         side stream and calls this and :meth:`capture_end` (or
         :meth:`capture_abort`) for you; the arguments are as there.
         """
-        options = CaptureOptions.parse(capture_error_mode, random_ops, generators, breaks, barrier_fn)
+        options = CaptureOptions.parse(capture_error_mode, random_ops, generators, breaks, barrier_fn, measure_memory)
         runtime.require_capture("BreakableCUDAGraph.capture_begin")
         if context.current() is not None:
             raise RuntimeError(

@@ -25,6 +25,8 @@ class CaptureOptions:
     (breakable: every break splits the graph) or "inline" (one full graph:
     every break records its capturable variant). ``barrier_fn``: called after
     a segment ends and before each break runs, and once at the end.
+    ``measure_memory``: read ``cudaMemGetInfo`` around every segment's
+    instantiation (two calls of about 5 µs each per segment, so only when asked).
     """
 
     capture_error_mode: CaptureMode = CaptureMode.GLOBAL
@@ -32,9 +34,12 @@ class CaptureOptions:
     generators: tuple = ()
     breaks: str = "eager"
     barrier_fn: Callable[[], Any] | None = None
+    measure_memory: bool = False
 
     @classmethod
-    def parse(cls, capture_error_mode="global", random_ops="graph", generators=(), breaks="eager", barrier_fn=None):
+    def parse(
+        cls, capture_error_mode="global", random_ops="graph", generators=(), breaks="eager", barrier_fn=None, measure_memory=False
+    ):
         if random_ops not in RANDOM_OPS:
             raise ValueError(f"random_ops must be 'graph', 'break' or 'error', got {random_ops!r}")
         if breaks not in BREAKS:
@@ -45,7 +50,7 @@ class CaptureOptions:
         for gen in generators:
             if not isinstance(gen, torch.Generator) or gen.device.type != "cuda":
                 raise TypeError(f"generators must be CUDA torch.Generator objects, got {gen!r}")
-        return cls(CaptureMode.parse(capture_error_mode), random_ops, generators, breaks, barrier_fn)
+        return cls(CaptureMode.parse(capture_error_mode), random_ops, generators, breaks, barrier_fn, bool(measure_memory))
 
     def arguments(self) -> dict:
         """These options as keyword arguments of a capture."""

@@ -99,7 +99,7 @@ class Recorder:
         if num_nodes == 0:
             graph.destroy()
             return
-        executable, executable_bytes = instantiate(graph, self.stream)
+        executable, executable_bytes = instantiate(graph, self.stream, self.options.measure_memory)
         name = f"graph {self._previous} -> {following}"
         self.segments.append(
             GraphSegment(len(self.segments), name, graph, executable, num_nodes, side_streams, executable_bytes)

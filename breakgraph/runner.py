@@ -126,7 +126,8 @@ class GraphRunner:
         self.lazy = lazy
         self.progress = progress
         self.debug = runtime.debug_requested(debug)
-        self.options = CaptureOptions.parse(random_ops=random_ops, generators=generators, barrier_fn=barrier_fn)
+        # Measured: memory(), estimate_memory() and report() count the executables' memory.
+        self.options = CaptureOptions.parse(random_ops=random_ops, generators=generators, barrier_fn=barrier_fn, measure_memory=True)
         check_replay_hooks(before_replay, after_replay)
         self.replay_hooks = {"before": before_replay, "after": after_replay}
         if on_capture_error not in ("raise", "eager"):

@@ -23,13 +23,16 @@ Launcher = Callable[[Any], Any]
 _launch = bindings.launch_function()
 
 
-def instantiate(graph: Graph, stream) -> tuple[GraphExec, int]:
-    """Instantiate ``graph`` and upload it on ``stream`` (so its first launch pays neither);
-    also return the device memory the driver took for it, read with ``cudaMemGetInfo``
-    around both (exact only while no other thread allocates device memory)."""
-    free_before = bindings.free_device_memory()
+def instantiate(graph: Graph, stream, measure: bool) -> tuple[GraphExec, int | None]:
+    """Instantiate ``graph`` and upload it on ``stream`` (so its first launch pays neither).
+    With ``measure``, also return the device memory the driver took for it, read with
+    ``cudaMemGetInfo`` around both (exact only while no other thread allocates device
+    memory); otherwise None."""
+    free_before = bindings.free_device_memory() if measure else None
     executable = graph.instantiate()
     executable.upload(stream)
+    if free_before is None:
+        return executable, None
     return executable, max(0, free_before - bindings.free_device_memory())
 
 
@@ -67,7 +70,8 @@ class SharedExecutable:
 class GraphSegment:
     """A captured CUDA graph, launched as one unit at replay, through its own executable
     or one it shares with the same segment of other graphs (``shared``).
-    ``executable_bytes`` is the device memory its own executable took (0 when shared)."""
+    ``executable_bytes`` is the device memory its own executable took (0 when shared,
+    None when its capture did not measure)."""
 
     index: int
     name: str
@@ -75,7 +79,7 @@ class GraphSegment:
     executable: GraphExec | None
     num_nodes: int
     side_streams: tuple[int, ...] = ()
-    executable_bytes: int = 0
+    executable_bytes: int | None = None
     shared: SharedExecutable | None = field(default=None, init=False)
     kind: str = field(default="graph", init=False)
     argument_addresses: tuple = field(default=(), init=False)
@@ -100,11 +104,14 @@ class GraphSegment:
         """Destroy this segment's own executable, or stop using a shared one; the graph stays."""
         if self.shared is None and self.executable is not None:
             self.executable.destroy()
-        self.executable, self.shared, self.executable_bytes = None, None, 0
+        self.executable, self.shared = None, None
+        if self.executable_bytes is not None:
+            self.executable_bytes = 0
 
     def instantiate(self, stream) -> None:
-        """Instantiate this segment's graph again (after :meth:`drop_executable`)."""
-        self.executable, self.executable_bytes = instantiate(self.graph, stream)
+        """Instantiate this segment's graph again (after :meth:`drop_executable`), measuring
+        its memory if its capture did."""
+        self.executable, self.executable_bytes = instantiate(self.graph, stream, measure=self.executable_bytes is not None)
 
     def release(self) -> None:
         self.drop_executable()

@@ -48,3 +48,9 @@ def test_ending_or_aborting_a_capture_that_never_began_says_so():
     for step in (graph.capture_end, graph.capture_abort):
         with pytest.raises(RuntimeError, match="not capturing: call capture_begin"):
             step()
+
+
+def test_executable_memory_is_measured_only_when_asked():
+    assert not bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph()).options.measure_memory
+    assert bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph(), measure_memory=True).options.measure_memory
+    assert bg.GraphRunner(lambda x: x, torch.zeros(4, 2)).options.measure_memory  # memory() counts executables

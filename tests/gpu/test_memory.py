@@ -139,7 +139,7 @@ def test_a_graph_releases_and_restores_its_executables_and_replays_the_same():
     x = torch.randn(16, 64, device=DEV)
     w = torch.randn(64, 64, device=DEV) / 8
     graph = bg.BreakableCUDAGraph()
-    with bg.BreakableCUDAGraphCapture(graph):
+    with bg.BreakableCUDAGraphCapture(graph, measure_memory=True):
         out = normalized_model(x, w)
     graph.replay()
     expected = out.clone()
@@ -168,9 +168,25 @@ def test_executable_bytes_are_measured_per_segment_at_instantiation():
     graphs = []
     for _ in range(50):
         graph = bg.BreakableCUDAGraph(pool=graphs[0].pool if graphs else None)
-        with bg.BreakableCUDAGraphCapture(graph):
+        with bg.BreakableCUDAGraphCapture(graph, measure_memory=True):
             normalized_model(x, w)
         graphs.append(graph)
     measured = sum(graph.executable_bytes for graph in graphs)
     assert all(segment.executable_bytes >= 0 for graph in graphs for segment in graph.segments if segment.kind == "graph")
     assert measured <= free_before - bindings.free_device_memory()  # the pool is in the difference too
+
+
+def test_executable_memory_is_measured_only_when_asked():
+    x = torch.randn(16, 64, device=DEV)
+    w = torch.randn(64, 64, device=DEV) / 8
+    graph = bg.BreakableCUDAGraph()
+    with bg.BreakableCUDAGraphCapture(graph):
+        out = normalized_model(x, w)
+    assert graph.executable_bytes is None
+    assert all(segment.executable_bytes is None for segment in graph.segments if segment.kind == "graph")
+    graph.release_executables()
+    graph.restore_executables()  # restored unmeasured, as captured
+    assert graph.executable_bytes is None
+    poison_(out)
+    graph.replay()
+    assert_close(out, normalized_model(x, w), 1e-4, 1e-4)
