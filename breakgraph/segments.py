@@ -24,15 +24,16 @@ _launch = bindings.launch_function()
 
 
 def instantiate(graph: Graph, stream, measure: bool) -> tuple[GraphExec, int | None]:
-    """Instantiate ``graph`` and upload it on ``stream`` (so its first launch pays neither).
-    With ``measure``, also return the device memory the driver took for it, read with
-    ``cudaMemGetInfo`` around both (exact only while no other thread allocates device
-    memory); otherwise None."""
-    free_before = bindings.free_device_memory() if measure else None
+    """Instantiate ``graph``. With ``measure``, also upload it on ``stream`` (the driver
+    takes part of its memory there) and return the device memory the driver took for both,
+    read with ``cudaMemGetInfo`` (exact only while no other thread allocates device
+    memory); otherwise None, and its first launch uploads it (on an H100, uploading at
+    capture cost 4.2 µs per segment and saved the first launch 1.3 µs)."""
+    if not measure:
+        return graph.instantiate(), None
+    free_before = bindings.free_device_memory()
     executable = graph.instantiate()
     executable.upload(stream)
-    if free_before is None:
-        return executable, None
     return executable, max(0, free_before - bindings.free_device_memory())
 
 
