@@ -4,17 +4,23 @@ Part 1, side by side in one run: breakgraph (one BreakableCUDAGraphCapture,
 with its default settings, and with ``random_ops="error"`` (no generator
 armed) and ``random_ops="break"`` (the opt-in op watch));
 one torch.cuda.CUDAGraph per segment through capture_begin/capture_end (vLLM's
-way); one torch.cuda.graph(...) context per segment (Meta's way); and the
-floor, bare cuda.bindings capture and instantiation per segment. Each region
-is N segments of a tiny kernel with a no-op eager function between them.
+way); one torch.cuda.graph(...) context per segment (how Meta's library
+captures a segment); Meta's library itself (breakable_cuda_graphs, the
+``bench`` extra: one ``breakable_graph``, ``force_no_graph()`` as the break);
+and the floor, bare cuda.bindings capture and instantiation per segment.
+Each region is N segments of a tiny kernel with a no-op eager function
+between them.
 
 Part 2, an engine's start-up: the decoder of ``decode_step`` captured at the
 35 batch sizes vLLM captures by default up to 256 (1, 2, 4, 8, 16, 24, …,
 256) into one shared pool: breakgraph's GraphRunner with its defaults (one
 warm-up step, then every size captured directly), the runner with a warm-up
-step before every size, and one torch.cuda.CUDAGraph per segment per size
-after a warm-up step per size (the peers' way). A lazy runner's first-use
-latency (capture on the first batch of a size) is reported beside.
+step before every size, one torch.cuda.CUDAGraph per segment per size
+after a warm-up step per size (the peers' way), and Meta's library's way:
+a warm-up step per size, then one ``BreakableCUDAGraph`` per size, all
+sharing one pool. A lazy runner's first-use latency (capture on the first
+batch of a size) is reported beside. Where Meta's library is not installed
+its variants are skipped with the reason printed.
 
 Every variant's replay is checked against eager first. A capture's time
 ends when its graphs are ready to replay; releasing earlier captures is not
@@ -26,6 +32,7 @@ counted.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -38,12 +45,14 @@ from benchmarks.decoder import (
     BatchInputs,
     Decoder,
     DecoderConfig,
+    MetaBreakable,
     capture_breakgraph_sizes,
     capture_piecewise_sizes,
     check_sizes,
     graphs_replay,
     runner_replay,
 )
+from benchmarks.peers import META, capture_meta_region, load_meta
 
 
 def capture_breakgraph(n, x, pool, random_ops="graph"):
@@ -115,7 +124,7 @@ def timed_capture(make, repeats):
     return statistics.median(seconds) * 1000, results[-1]
 
 
-def break_count_rows(sizes, repeats) -> list[dict]:
+def break_count_rows(sizes, repeats, meta_library) -> list[dict]:
     stream = torch.cuda.Stream()
     x = torch.zeros(256, device="cuda")
     x.add_(1)  # warm up
@@ -127,6 +136,8 @@ def break_count_rows(sizes, repeats) -> list[dict]:
         "torch.cuda.graph context per segment": lambda n: graph_context_per_segment(n, x, torch.cuda.graph_pool_handle(), stream),
         "bare cuda.bindings capture per segment (floor)": lambda n: capture_bare(n, x, stream),
     }
+    if meta_library is not None:
+        makers[META] = lambda n: capture_meta_region(meta_library, n, lambda: x.add_(1), stream).replay
     for make in makers.values():  # first-use costs, on no variant's account
         timed_capture(lambda: make(8), 2)
     rows = []
@@ -145,20 +156,17 @@ def break_count_rows(sizes, repeats) -> list[dict]:
         context, begin_end = ms["torch.cuda.graph context per segment"], ms["capture_begin/capture_end per segment"]
         floor = ms["bare cuda.bindings capture per segment (floor)"]
         for name in ("breakgraph", "breakgraph, random_ops='error'", "breakgraph, random_ops='break' (op watch)"):
-            rows.append(
-                {
-                    "breaks": n,
-                    "variant": "ratios",
-                    "capture_ms": (
-                        f"{name}: context-per-segment/it {context / ms[name]:.2f}x; "
-                        f"begin-end/it {begin_end / ms[name]:.2f}x; it/floor {ms[name] / floor:.2f}x"
-                    ),
-                }
+            ratios = (
+                f"{name}: context-per-segment/it {context / ms[name]:.2f}x; "
+                f"begin-end/it {begin_end / ms[name]:.2f}x; it/floor {ms[name] / floor:.2f}x"
             )
+            if META in ms:
+                ratios += f"; meta/it {ms[META] / ms[name]:.2f}x"
+            rows.append({"breaks": n, "variant": "ratios", "capture_ms": ratios})
     return rows
 
 
-def startup_rows(config: DecoderConfig, sizes, repeats) -> list[dict]:
+def startup_rows(config: DecoderConfig, sizes, repeats, meta_library) -> list[dict]:
     """Engine start-up: the decoder at every size, breakgraph's runner against the peers' way."""
     decoder = Decoder(config, max_batch=max(sizes))
     inputs = BatchInputs(decoder, max(sizes), length=1015)
@@ -170,6 +178,9 @@ def startup_rows(config: DecoderConfig, sizes, repeats) -> list[dict]:
         "breakgraph GraphRunner, warm-up before every size": lambda: capture_breakgraph_sizes(inputs, sizes, warmup=1),
         "torch CUDAGraph per segment": lambda: capture_piecewise_sizes(inputs, sizes, torch.cuda.graph_pool_handle(), stream),
     }
+    if meta_library is not None:
+        meta_way = functools.partial(MetaBreakable, meta_library)
+        makers[META] = lambda: capture_piecewise_sizes(inputs, sizes, torch.cuda.graph_pool_handle(), stream, way=meta_way)
     ms = {name: [] for name in makers}
     worst = dict.fromkeys(makers, 0.0)
     warmed = {}
@@ -196,17 +207,16 @@ def startup_rows(config: DecoderConfig, sizes, repeats) -> list[dict]:
         }
         for name, values in ms.items()
     ]
-    ours, ours_each, theirs = (statistics.median(values) for values in ms.values())
-    rows.append(
-        {
-            "sizes": len(sizes),
-            "variant": "ratios",
-            "capture_ms": (
-                f"torch-per-segment/breakgraph {theirs / ours:.2f}x; "
-                f"torch-per-segment/breakgraph warm-up before every size {theirs / ours_each:.2f}x"
-            ),
-        }
+    median = {name: statistics.median(values) for name, values in ms.items()}
+    ours, ours_each = median["breakgraph GraphRunner"], median["breakgraph GraphRunner, warm-up before every size"]
+    theirs = median["torch CUDAGraph per segment"]
+    ratios = (
+        f"torch-per-segment/breakgraph {theirs / ours:.2f}x; "
+        f"torch-per-segment/breakgraph warm-up before every size {theirs / ours_each:.2f}x"
     )
+    if META in median:
+        ratios += f"; meta/breakgraph {median[META] / ours:.2f}x"
+    rows.append({"sizes": len(sizes), "variant": "ratios", "capture_ms": ratios})
     rows.append(first_use_row(inputs, sizes))
     return rows
 
@@ -241,12 +251,13 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=None, help="decoder layers for the start-up part (16)")
     args = parser.parse_args(argv)
     meta = device_meta()
-    rows = break_count_rows([8, 64] if args.quick else [8, 64, 256], 2 if args.quick else 5)
+    meta_library = load_meta()
+    rows = break_count_rows([8, 64] if args.quick else [8, 64, 256], 2 if args.quick else 5, meta_library)
     write_outputs("capture_time", rows, ["breaks", "variant", "capture_ms"], args.out, meta, draw)
 
     config = DecoderConfig(layers=args.layers or (2 if args.quick else 16))
     sizes = bg.default_capture_sizes(16 if args.quick else 256)
-    rows = startup_rows(config, sizes, 1 if args.quick else 3)
+    rows = startup_rows(config, sizes, 1 if args.quick else 3, meta_library)
     meta |= {"config": {k: str(v) for k, v in vars(config).items()}, "batch_sizes": sizes}
     columns = ["sizes", "variant", "capture_ms", "ms_per_size", "sizes_warmed_up", "max_abs_diff_vs_eager"]
     write_outputs("capture_startup", rows, columns, args.out, meta, draw_startup)
@@ -265,7 +276,7 @@ def draw(ax, rows):
 def draw_startup(ax, rows):
     rows = [r for r in rows if isinstance(r["capture_ms"], float)]
     names = [r["variant"] for r in rows]
-    ax.barh(names, [r["capture_ms"] for r in rows], color=["tab:blue", "tab:cyan", "tab:orange"][: len(rows)])
+    ax.barh(names, [r["capture_ms"] for r in rows], color=["tab:blue", "tab:cyan", "tab:orange", "tab:green"][: len(rows)])
     ax.set_xlabel(f"ms to capture the decoder at {rows[0]['sizes']} batch sizes (lower is better)")
     ax.set_title(f"Engine start-up capture\n{torch.cuda.get_device_name()}")
 

@@ -2,7 +2,10 @@
 
 Variants, side by side in one run at each batch size: eager; breakgraph
 (breakable: attention is an eager break); the same break structure as one
-torch.cuda.CUDAGraph per segment (the peers' way); the lower bound of the
+torch.cuda.CUDAGraph per segment (the peers' way); the same in Meta's
+library (breakable_cuda_graphs, the ``bench`` extra: attention a
+``@no_graph`` function writing into an output buffer; skipped with the
+reason printed where it is not installed); the lower bound of the
 breakable way, one monolithic torch.cuda.graph with the live length frozen
 at capture; breakgraph's full mode for uniform decode (a GraphRunner key in
 mode "full": attention's capturable variant, which reads positions from the
@@ -34,12 +37,14 @@ from benchmarks.decoder import (
     AttentionMetadata,
     Decoder,
     DecoderConfig,
+    MetaBreakable,
     TorchPiecewise,
     assert_matches_eager,
     attention,
     attention_break,
     attention_from_positions,
 )
+from benchmarks.peers import META, load_meta
 
 LIVE_LENGTHS = range(1008, 1024)  # tokens in the cache before the step; the step attends over one more
 FROZEN_LENGTH = 1015  # the lower bound's length, the live lengths' middle
@@ -55,9 +60,10 @@ VARIANTS = (
 
 
 class Step:
-    """Static inputs of one batch size and every variant's captured form."""
+    """Static inputs of one batch size and every variant's captured form (Meta's library's
+    where ``meta_library`` is the module, not None)."""
 
-    def __init__(self, decoder: Decoder, batch: int, stream: torch.cuda.Stream):
+    def __init__(self, decoder: Decoder, batch: int, stream: torch.cuda.Stream, meta_library):
         hidden = decoder.config.hidden
         self.decoder = decoder
         self.meta = AttentionMetadata(LIVE_LENGTHS[0])
@@ -98,9 +104,18 @@ class Step:
         with torch.cuda.graph(self.masked, stream=stream):
             self.out_masked = decoder.step(self.x, self.positions, self.full_meta, attention_from_positions)
 
+        self.outputs = [self.out_breakgraph, self.out_piecewise, self.out_monolithic, self.out_full, self.out_masked]
+        self.meta_breakable = None
+        if meta_library is not None:
+            self.meta_breakable = MetaBreakable(meta_library)
+            self.out_meta_breakable = self.meta_breakable.capture(
+                lambda attend: decoder.step(self.x, self.positions, self.meta, attend), stream
+            )
+            self.outputs.append(self.out_meta_breakable)
+
     def runs(self) -> dict:
         """Each variant's step: launch it and return its output."""
-        return {
+        runs = {
             VARIANTS[0]: lambda: self.decoder.step(self.x, self.positions, self.meta),
             VARIANTS[1]: lambda: (self.graph.replay(), self.out_breakgraph)[1],
             VARIANTS[2]: lambda: (self.piecewise.replay(), self.out_piecewise)[1],
@@ -108,13 +123,16 @@ class Step:
             VARIANTS[4]: lambda: (self.full.replay(), self.out_full)[1],
             VARIANTS[5]: lambda: (self.masked.replay(), self.out_masked)[1],
         }
+        if self.meta_breakable is not None:
+            runs[META] = lambda: (self.meta_breakable.replay(), self.out_meta_breakable)[1]
+        return runs
 
     def check(self, trials: int = 2) -> dict:
         """Compare every variant with eager on fresh inputs; return each one's largest difference."""
-        worst = dict.fromkeys(VARIANTS, 0.0)
-        outputs = (self.out_breakgraph, self.out_piecewise, self.out_monolithic, self.out_full, self.out_masked)
+        runs = self.runs()
+        worst = dict.fromkeys(runs, 0.0)
         for trial in range(trials):
-            for name, run in self.runs().items():
+            for name, run in runs.items():
                 if name == VARIANTS[0]:
                     continue
                 meta = self.frozen if name == VARIANTS[3] else self.meta
@@ -123,7 +141,7 @@ class Step:
                 self.x.copy_(torch.randn_like(self.x))
                 self.positions.fill_(meta.length)
                 expected = self.decoder.step(self.x, self.positions, meta).clone()
-                for output in outputs:
+                for output in self.outputs:
                     output.fill_(float("nan"))
                 got = run()
                 torch.cuda.synchronize()
@@ -207,9 +225,10 @@ def main(argv=None) -> int:
 
     decoder = Decoder(config, max_batch=max(batches))
     stream = torch.cuda.Stream()
+    meta_library = load_meta()
     rows, breakdown = [], {}
     for batch in batches:
-        step = Step(decoder, batch, stream)
+        step = Step(decoder, batch, stream, meta_library)
         worst = step.check()
         us = time_variants({name: step.timed(run) for name, run in step.runs().items()}, iters)
         for name, value in us.items():
@@ -223,19 +242,16 @@ def main(argv=None) -> int:
                 }
             )
         ours, full = us[VARIANTS[1]], us[VARIANTS[4]]
-        rows.append(
-            {
-                "batch": batch,
-                "variant": "ratios",
-                "step_ms": (
-                    f"breakgraph/lower bound {ours / us[VARIANTS[3]]:.2f}x; "
-                    f"torch-per-segment/breakgraph {us[VARIANTS[2]] / ours:.2f}x; "
-                    f"eager/breakgraph {us[VARIANTS[0]] / ours:.2f}x; "
-                    f"full/same-work monolithic {full / us[VARIANTS[5]]:.3f}x; "
-                    f"torch-per-segment/full {us[VARIANTS[2]] / full:.2f}x"
-                ),
-            }
+        ratios = (
+            f"breakgraph/lower bound {ours / us[VARIANTS[3]]:.2f}x; "
+            f"torch-per-segment/breakgraph {us[VARIANTS[2]] / ours:.2f}x; "
+            f"eager/breakgraph {us[VARIANTS[0]] / ours:.2f}x; "
+            f"full/same-work monolithic {full / us[VARIANTS[5]]:.3f}x; "
+            f"torch-per-segment/full {us[VARIANTS[2]] / full:.2f}x"
         )
+        if META in us:
+            ratios += f"; meta/breakgraph {us[META] / ours:.2f}x; meta/full {us[META] / full:.2f}x"
+        rows.append({"batch": batch, "variant": "ratios", "step_ms": ratios})
         if batch == batches[0]:
             breakdown = {"batch": batch, **gap_breakdown(step, us, iters)}
         del step

@@ -13,6 +13,9 @@ Ways to run a step, all on the same weights and cache:
 - :class:`TorchPiecewise`: the same break structure, one ``torch.cuda.CUDAGraph``
   per segment, captured with ``capture_begin``/``capture_end`` and replayed in a
   Python loop (how vLLM, SGLang and Meta's library do it);
+- :class:`MetaBreakable`: the same break structure in Meta's library
+  (``breakable_cuda_graphs``), attention a ``@no_graph`` function writing into
+  an output buffer, as its README says users write a break;
 - the lower bound: one ``torch.cuda.graph`` of the whole step with the live
   length frozen at capture (the same kernels, no breaks);
 - full graphs: attention's capturable variant, which reads each row's
@@ -215,6 +218,41 @@ class TorchPiecewise:
         self.graphs[-1].replay()
 
 
+def attention_into(output, *args) -> None:
+    """:func:`attention`, writing its result into ``output``: the form of a break in Meta's library,
+    whose ``@no_graph`` functions may not return CUDA tensors."""
+    output.copy_(attention(*args))
+
+
+class MetaBreakable:
+    """Meta's library's way: one ``breakable_graph`` capture into a ``BreakableCUDAGraph``.
+
+    ``attend`` is what the model calls for attention: it allocates the
+    output in the segment being captured (in the graph's pool, so its address
+    holds at every replay) and passes it to :func:`attention_into` as a
+    ``@no_graph`` function, which ends the segment, runs eagerly and is
+    replayed eagerly between the segments.
+    """
+
+    def __init__(self, library, pool=None):
+        self.graph = library.BreakableCUDAGraph(pool=pool)
+        self._library = library
+        self._attention_into = library.no_graph(attention_into)
+
+    def capture(self, fn, stream: torch.cuda.Stream):
+        """Capture ``fn(attend)`` on ``stream``; return its output."""
+        with self._library.breakable_graph(self.graph, stream=stream):
+            return fn(self.attend)
+
+    def attend(self, q, *args):
+        output = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        self._attention_into(output, q, *args)
+        return output
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
 # -- capturing at many batch sizes, as an engine does at start-up ----------------------
 
 
@@ -255,8 +293,9 @@ def capture_breakgraph_sizes(inputs: BatchInputs, sizes, **runner_options) -> bg
     return runner.capture()
 
 
-def capture_piecewise_sizes(inputs: BatchInputs, sizes, pool, stream, warmup: int = 1) -> dict:
-    """The peers' way: per size (largest first), warm up eagerly, then one graph per segment."""
+def capture_piecewise_sizes(inputs: BatchInputs, sizes, pool, stream, warmup: int = 1, way=TorchPiecewise) -> dict:
+    """The peers' way: per size (largest first), warm up eagerly, then capture with ``way(pool)``
+    (:class:`TorchPiecewise`, one graph per segment; or a :class:`MetaBreakable`)."""
     captured = {}
     for size in sorted(sizes, reverse=True):
         x, positions = inputs.x[:size], inputs.positions[:size]
@@ -266,7 +305,7 @@ def capture_piecewise_sizes(inputs: BatchInputs, sizes, pool, stream, warmup: in
                 inputs.decoder.step(x, positions, inputs.meta)
 
         run_on_stream(stream, warm_up)
-        piecewise = TorchPiecewise(pool)
+        piecewise = way(pool)
         output = piecewise.capture(lambda attend: inputs.decoder.step(x, positions, inputs.meta, attend), stream)
         captured[size] = (piecewise, output)
     return captured

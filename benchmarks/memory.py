@@ -3,9 +3,12 @@
 Variants, side by side in one run: breakgraph (a GraphRunner, attention as
 the eager break); monolithic torch.cuda.graph per size (attention's length
 frozen at capture); one torch.cuda.CUDAGraph per segment per size (the
-peers' way). Each captures largest size first into its own shared
-torch.cuda.MemPool, and every size of every variant is checked against eager
-before the pool is measured.
+peers' way); one BreakableCUDAGraph per size in Meta's library
+(breakable_cuda_graphs, the ``bench`` extra; skipped with the reason printed
+where it is not installed), whose attention breaks write into output
+buffers allocated in the pool. Each captures largest size first into its
+own shared torch.cuda.MemPool, and every size of every variant is checked
+against eager before the pool is measured.
 
     python -m benchmarks.memory [--quick] [--out results] [--layers 16]
 """
@@ -13,6 +16,7 @@ before the pool is measured.
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 
@@ -23,6 +27,7 @@ from benchmarks.decoder import (
     BatchInputs,
     Decoder,
     DecoderConfig,
+    MetaBreakable,
     capture_breakgraph_sizes,
     capture_monolithic_sizes,
     capture_piecewise_sizes,
@@ -30,6 +35,7 @@ from benchmarks.decoder import (
     graphs_replay,
     runner_replay,
 )
+from benchmarks.peers import META, load_meta
 
 LENGTH = 1015
 
@@ -47,6 +53,7 @@ def main(argv=None) -> int:
     inputs = BatchInputs(decoder, max(all_sizes), LENGTH)
     stream = torch.cuda.Stream()
     inputs.warm_up(all_sizes, stream)
+    meta_library = load_meta()
     rows = []
     for count in range(1, len(all_sizes) + 1):
         sizes = all_sizes[:count]
@@ -68,6 +75,14 @@ def main(argv=None) -> int:
         worst = check_sizes(inputs, graphs_replay(graphs), sizes)
         measured["torch CUDAGraph per segment, per size"] = (bg.pool_bytes(pool), worst)
         del graphs, pool
+
+        if meta_library is not None:
+            pool = torch.cuda.MemPool()
+            meta_way = functools.partial(MetaBreakable, meta_library)
+            graphs = capture_piecewise_sizes(inputs, sizes, pool.id, stream, way=meta_way)
+            worst = check_sizes(inputs, graphs_replay(graphs), sizes)
+            measured[META] = (bg.pool_bytes(pool), worst)
+            del graphs, pool
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
 
@@ -81,15 +96,11 @@ def main(argv=None) -> int:
                     "max_abs_diff_vs_eager": round(worst, 4),
                 }
             )
-        monolithic = measured["monolithic torch.cuda.graph per size"][0]
-        rows.append(
-            {
-                "sizes": f"1..{sizes[-1]}",
-                "largest": sizes[-1],
-                "variant": "ratios",
-                "pool_mib": f"breakgraph/monolithic {measured['breakgraph'][0] / monolithic:.3f}x",
-            }
-        )
+        ours, monolithic = measured["breakgraph"][0], measured["monolithic torch.cuda.graph per size"][0]
+        ratios = f"breakgraph/monolithic {ours / monolithic:.3f}x"
+        if META in measured:
+            ratios += f"; meta/breakgraph {measured[META][0] / ours:.3f}x"
+        rows.append({"sizes": f"1..{sizes[-1]}", "largest": sizes[-1], "variant": "ratios", "pool_mib": ratios})
     meta = device_meta() | {"config": {k: str(v) for k, v in vars(config).items()}, "kv_length": LENGTH}
     write_outputs("memory", rows, ["sizes", "variant", "pool_mib", "max_abs_diff_vs_eager"], args.out, meta, draw)
     return 0

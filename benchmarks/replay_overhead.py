@@ -1,9 +1,12 @@
 """Replay overhead per segment: N tiny-kernel segments with no-op breaks between them.
 
 Variants, all in one run: eager; one monolithic torch.cuda.graph (no breaks);
-one torch.cuda.CUDAGraph per segment replayed in a Python loop (how vLLM,
-SGLang and Meta's library replay); a bare cudaGraphLaunch loop over
-cuda.bindings executables (the floor, no break calls); breakgraph replay().
+one torch.cuda.CUDAGraph per segment replayed in a Python loop (how vLLM and
+SGLang replay); Meta's library (breakable_cuda_graphs, the ``bench`` extra:
+one ``breakable_graph`` capture, ``force_no_graph()`` as the break, skipped
+with the reason printed where it is not installed); a bare cudaGraphLaunch
+loop over cuda.bindings executables (the floor, no break calls); breakgraph
+replay().
 
     python benchmarks/replay_overhead.py [--quick] [--out results]
 """
@@ -18,13 +21,14 @@ import breakgraph_bindings as bindings
 import breakgraph as bg
 from breakgraph.runtime import run_on_stream
 from benchmarks.common import device_meta, noop, plot_grouped_bars, replay_each, time_variants, write_outputs
+from benchmarks.peers import META, capture_meta_region, load_meta
 
 
 def step(x):
     x.add_(1)
 
 
-def build_variants(n: int, x: torch.Tensor):
+def build_variants(n: int, x: torch.Tensor, meta_library):
     stream = torch.cuda.Stream()
     run_on_stream(stream, lambda: step(x))  # warm up
     torch.cuda.synchronize()
@@ -68,13 +72,19 @@ def build_variants(n: int, x: torch.Tensor):
             step(x)
             noop()
     assert graph.num_graphs == n and graph.num_eager_breaks == n
-    return {
+    variants = {
         "eager": eager,
         "torch monolithic graph": mono.replay,
         "torch CUDAGraph per segment": replay_each(per_segment, noop),
         "bare cudaGraphLaunch loop": floor,
         "breakgraph replay": graph.replay,
-    }, (mono, per_segment, execs, graph)
+    }
+    kept = [mono, per_segment, execs, graph]
+    if meta_library is not None:
+        meta_graph = capture_meta_region(meta_library, n, lambda: step(x))
+        variants[META] = meta_graph.replay
+        kept.append(meta_graph)
+    return variants, kept
 
 
 def check(variants, n, x):
@@ -92,22 +102,20 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     sizes = [8, 64] if args.quick else [8, 64, 256]
     iters = 20 if args.quick else 200
+    meta_library = load_meta()
     rows = []
     for n in sizes:
         x = torch.zeros(256, device="cuda")
-        variants, keep = build_variants(n, x)
+        variants, keep = build_variants(n, x, meta_library)
         check(variants, n, x)
         us = {name: value / n for name, value in time_variants(variants, iters).items()}
         floor, ours, torch_seg = us["bare cudaGraphLaunch loop"], us["breakgraph replay"], us["torch CUDAGraph per segment"]
         for name, value in us.items():
             rows.append({"segments": n, "variant": name, "us_per_segment": round(value, 3)})
-        rows.append(
-            {
-                "segments": n,
-                "variant": "ratios",
-                "us_per_segment": f"breakgraph/floor {ours / floor:.2f}x; torch-per-segment/breakgraph {torch_seg / ours:.2f}x",
-            }
-        )
+        ratios = f"breakgraph/floor {ours / floor:.2f}x; torch-per-segment/breakgraph {torch_seg / ours:.2f}x"
+        if META in us:
+            ratios += f"; meta/breakgraph {us[META] / ours:.2f}x"
+        rows.append({"segments": n, "variant": "ratios", "us_per_segment": ratios})
         del keep
     write_outputs("replay_overhead", rows, ["segments", "variant", "us_per_segment"], args.out, device_meta(), draw)
     return 0

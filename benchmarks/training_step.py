@@ -6,8 +6,11 @@ eager break that clips the gradient norm on the host's say, and the
 optimizer step. Variants, side by side in one run: eager; breakgraph (one
 capture, dropout inside its segments); one torch.cuda.CUDAGraph per segment
 with the breaks replayed in a Python loop (the peers' way, dropout inside
-torch's graphs); and a monolithic torch.cuda.graph of the step with the
-breaks left out (less work: the lower bound). Before timing, every variant
+torch's graphs); Meta's library (breakable_cuda_graphs, the ``bench``
+extra; skipped with the reason printed where it is not installed): the same
+step in one ``breakable_graph``, both breaks ``@no_graph`` functions; and a
+monolithic torch.cuda.graph of the step with the breaks left out (less
+work: the lower bound). Before timing, every variant
 runs seeded steps from the same weights and is compared with eager under
 the same seeds: the same generator offsets draw the same dropout masks.
 
@@ -24,6 +27,7 @@ from torch import nn
 
 import breakgraph as bg
 from benchmarks.common import device_meta, plot_grouped_bars, time_variants, write_outputs
+from benchmarks.peers import META, load_meta
 from breakgraph.runtime import run_on_stream
 
 VARIANTS = ("eager", "breakgraph", "torch CUDAGraph per segment", "lower bound: monolithic graph, no breaks")
@@ -73,7 +77,10 @@ def clip_gradients(model):
 
 
 class Captured:
-    def __init__(self, trainer: Trainer, stream: torch.cuda.Stream):
+    """Every variant's capture of one trainer's step (Meta's library's where ``meta_library``
+    is the module, not None)."""
+
+    def __init__(self, trainer: Trainer, stream: torch.cuda.Stream, meta_library):
         self.trainer = trainer
         run_on_stream(stream, lambda: trainer.step(log_loss, clip_gradients))  # warm up: grads exist
         self.state = {k: v.clone() for k, v in trainer.model.state_dict().items()}
@@ -104,6 +111,16 @@ class Captured:
         self.monolithic = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.monolithic, stream=stream, pool=pool):
             self.loss_mono = trainer.step(lambda loss: None, lambda model: None)
+
+        # Meta's library needs nothing of its own for training: each segment is a torch.cuda.graph,
+        # which draws dropout's numbers as the per-segment graphs do, and both breaks may be
+        # @no_graph functions as they are (the loss's host read returns a float, not a CUDA
+        # tensor). Its replay drops what a break returns, as the per-segment loop does.
+        self.meta_graph = None
+        if meta_library is not None:
+            self.meta_graph = meta_library.BreakableCUDAGraph()
+            with meta_library.breakable_graph(self.meta_graph, stream=stream):
+                self.loss_meta = trainer.step(meta_library.no_graph(log_loss), meta_library.no_graph(clip_gradients))
         trainer.model.load_state_dict(self.state)
 
     def runs(self) -> dict:
@@ -117,12 +134,15 @@ class Captured:
             self.segments[2].replay()
             return self.loss_seg
 
-        return {
+        runs = {
             VARIANTS[0]: lambda: trainer.step(log_loss, clip_gradients),
             VARIANTS[1]: lambda: (self.graph.replay(), self.loss_bg)[1],
             VARIANTS[2]: per_segment,
             VARIANTS[3]: lambda: (self.monolithic.replay(), self.loss_mono)[1],
         }
+        if self.meta_graph is not None:
+            runs[META] = lambda: (self.meta_graph.replay(), self.loss_meta)[1]
+        return runs
 
     def check(self, steps: int = 3) -> dict:
         """From the same weights and seeds, every variant's losses and weights against eager's."""
@@ -155,9 +175,10 @@ def main(argv=None) -> int:
     iters = 10 if args.quick else 100
     shapes = [(512, 4, 32)] if args.quick else [(512, 8, 32), (1024, 8, 256), (2048, 8, 1024)]
     stream = torch.cuda.Stream()
+    meta_library = load_meta()
     rows = []
     for hidden, layers, batch in shapes:
-        captured = Captured(Trainer(hidden, layers, batch, dropout=0.1), stream)
+        captured = Captured(Trainer(hidden, layers, batch, dropout=0.1), stream, meta_library)
         differences = captured.check()
         assert captured.graph.draws_random_numbers and captured.graph.num_eager_breaks == 2
         us = time_variants({name: _synchronized(run) for name, run in captured.runs().items()}, iters)
@@ -172,16 +193,13 @@ def main(argv=None) -> int:
                 }
             )
         ours = us[VARIANTS[1]]
-        rows.append(
-            {
-                "shape": label,
-                "variant": "ratios",
-                "step_us": (
-                    f"torch-per-segment/breakgraph {us[VARIANTS[2]] / ours:.2f}x; "
-                    f"eager/breakgraph {us[VARIANTS[0]] / ours:.2f}x; breakgraph/lower bound {ours / us[VARIANTS[3]]:.2f}x"
-                ),
-            }
+        ratios = (
+            f"torch-per-segment/breakgraph {us[VARIANTS[2]] / ours:.2f}x; "
+            f"eager/breakgraph {us[VARIANTS[0]] / ours:.2f}x; breakgraph/lower bound {ours / us[VARIANTS[3]]:.2f}x"
         )
+        if META in us:
+            ratios += f"; meta/breakgraph {us[META] / ours:.2f}x"
+        rows.append({"shape": label, "variant": "ratios", "step_us": ratios})
         del captured
     write_outputs("training_step", rows, ["shape", "variant", "step_us", "max_abs_diff_vs_eager"], args.out, device_meta(), draw)
     return 0
