@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 import breakgraph as bg
 from breakgraph.runtime import run_on_stream
+from benchmarks.decode_attention import split_k_decode
 
 
 @dataclass(frozen=True)
@@ -92,30 +93,10 @@ def attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tenso
 
 def attention_from_positions(q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
     """:func:`attention`, capturable: each row's write slot and live length come from
-    ``meta.positions``, a device tensor, and flash attention's variable-length kernel
-    reads each row's live prefix of the cache (``seqused_k``), as vLLM's full-graph
-    decode attention does."""
-    batch, heads, head_dim = q.shape
-    capacity, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    positions = meta.positions[:batch]
-    rows = torch.arange(batch, device=q.device)
-    k_cache[rows, positions] = k
-    v_cache[rows, positions] = v
-    starts = torch.arange(batch + 1, device=q.device, dtype=torch.int32)
-    out = torch.ops.aten._flash_attention_forward(
-        q,
-        k_cache.view(batch * capacity, kv_heads, head_dim),
-        v_cache.view(batch * capacity, kv_heads, head_dim),
-        starts,
-        starts * capacity,
-        1,
-        capacity,
-        0.0,
-        False,
-        False,
-        seqused_k=(positions + 1).to(torch.int32),
-    )[0]
-    return out.reshape(batch, -1)
+    ``meta.positions``, a device tensor, read by a Triton split-K kernel that also writes
+    the cache (:mod:`benchmarks.decode_attention` says why this kernel: it was the fastest
+    capturable attention measured, faster than the eager one with its length frozen)."""
+    return split_k_decode(q, k, v, k_cache, v_cache, meta.positions[: q.shape[0]])
 
 
 # The break of breakable graphs; in full graphs (breaks="inline") its capturable variant.
