@@ -52,7 +52,7 @@ from benchmarks.decoder import (
     graphs_replay,
     runner_replay,
 )
-from benchmarks.peers import META, capture_meta_region, load_meta
+from benchmarks.peers import META, capture_meta_region, load_meta, meta_ratios
 
 
 def capture_breakgraph(n, x, pool, random_ops="graph"):
@@ -160,8 +160,7 @@ def break_count_rows(sizes, repeats, meta_library) -> list[dict]:
                 f"{name}: context-per-segment/it {context / ms[name]:.2f}x; "
                 f"begin-end/it {begin_end / ms[name]:.2f}x; it/floor {ms[name] / floor:.2f}x"
             )
-            if META in ms:
-                ratios += f"; meta/it {ms[META] / ms[name]:.2f}x"
+            ratios += meta_ratios(ms, {"it": ms[name]})
             rows.append({"breaks": n, "variant": "ratios", "capture_ms": ratios})
     return rows
 
@@ -214,8 +213,7 @@ def startup_rows(config: DecoderConfig, sizes, repeats, meta_library) -> list[di
         f"torch-per-segment/breakgraph {theirs / ours:.2f}x; "
         f"torch-per-segment/breakgraph warm-up before every size {theirs / ours_each:.2f}x"
     )
-    if META in median:
-        ratios += f"; meta/breakgraph {median[META] / ours:.2f}x"
+    ratios += meta_ratios(median, {"breakgraph": ours})
     rows.append({"sizes": len(sizes), "variant": "ratios", "capture_ms": ratios})
     rows.append(first_use_row(inputs, sizes))
     return rows

@@ -44,7 +44,7 @@ from benchmarks.decoder import (
     attention_break,
     attention_from_positions,
 )
-from benchmarks.peers import META, load_meta
+from benchmarks.peers import META, load_meta, meta_ratios
 
 LIVE_LENGTHS = range(1008, 1024)  # tokens in the cache before the step; the step attends over one more
 FROZEN_LENGTH = 1015  # the lower bound's length, the live lengths' middle
@@ -249,8 +249,7 @@ def main(argv=None) -> int:
             f"full/same-work monolithic {full / us[VARIANTS[5]]:.3f}x; "
             f"torch-per-segment/full {us[VARIANTS[2]] / full:.2f}x"
         )
-        if META in us:
-            ratios += f"; meta/breakgraph {us[META] / ours:.2f}x; meta/full {us[META] / full:.2f}x"
+        ratios += meta_ratios(us, {"breakgraph": ours, "full": full})
         rows.append({"batch": batch, "variant": "ratios", "step_ms": ratios})
         if batch == batches[0]:
             breakdown = {"batch": batch, **gap_breakdown(step, us, iters)}

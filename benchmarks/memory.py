@@ -35,7 +35,7 @@ from benchmarks.decoder import (
     graphs_replay,
     runner_replay,
 )
-from benchmarks.peers import META, load_meta
+from benchmarks.peers import META, load_meta, meta_ratios
 
 LENGTH = 1015
 
@@ -98,8 +98,7 @@ def main(argv=None) -> int:
             )
         ours, monolithic = measured["breakgraph"][0], measured["monolithic torch.cuda.graph per size"][0]
         ratios = f"breakgraph/monolithic {ours / monolithic:.3f}x"
-        if META in measured:
-            ratios += f"; meta/breakgraph {measured[META][0] / ours:.3f}x"
+        ratios += meta_ratios({name: pool for name, (pool, _worst) in measured.items()}, {"breakgraph": ours}, digits=3)
         rows.append({"sizes": f"1..{sizes[-1]}", "largest": sizes[-1], "variant": "ratios", "pool_mib": ratios})
     meta = device_meta() | {"config": {k: str(v) for k, v in vars(config).items()}, "kv_length": LENGTH}
     write_outputs("memory", rows, ["sizes", "variant", "pool_mib", "max_abs_diff_vs_eager"], args.out, meta, draw)

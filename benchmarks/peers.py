@@ -23,6 +23,14 @@ def load_meta() -> ModuleType | None:
     return breakable_cuda_graphs
 
 
+def meta_ratios(measured: dict, ours: dict[str, float], digits: int = 2) -> str:
+    """The ratios row's part for Meta's variant: ``; meta/<name> <ratio>x`` for each of
+    ``ours`` (breakgraph's figures by name), or nothing where Meta's was not measured."""
+    if META not in measured:
+        return ""
+    return "".join(f"; meta/{name} {measured[META] / value:.{digits}f}x" for name, value in ours.items())
+
+
 def capture_meta_region(library: ModuleType, n: int, work, stream=None):
     """The micro-benchmarks' region in Meta's library: ``n`` segments of ``work()``, split by
     its empty break ``force_no_graph()``; returns the ``BreakableCUDAGraph``.

@@ -21,7 +21,7 @@ import breakgraph_bindings as bindings
 import breakgraph as bg
 from breakgraph.runtime import run_on_stream
 from benchmarks.common import device_meta, noop, plot_grouped_bars, replay_each, time_variants, write_outputs
-from benchmarks.peers import META, capture_meta_region, load_meta
+from benchmarks.peers import META, capture_meta_region, load_meta, meta_ratios
 
 
 def step(x):
@@ -113,8 +113,7 @@ def main(argv=None) -> int:
         for name, value in us.items():
             rows.append({"segments": n, "variant": name, "us_per_segment": round(value, 3)})
         ratios = f"breakgraph/floor {ours / floor:.2f}x; torch-per-segment/breakgraph {torch_seg / ours:.2f}x"
-        if META in us:
-            ratios += f"; meta/breakgraph {us[META] / ours:.2f}x"
+        ratios += meta_ratios(us, {"breakgraph": ours})
         rows.append({"segments": n, "variant": "ratios", "us_per_segment": ratios})
         del keep
     write_outputs("replay_overhead", rows, ["segments", "variant", "us_per_segment"], args.out, device_meta(), draw)

@@ -27,7 +27,7 @@ from torch import nn
 
 import breakgraph as bg
 from benchmarks.common import device_meta, plot_grouped_bars, time_variants, write_outputs
-from benchmarks.peers import META, load_meta
+from benchmarks.peers import META, load_meta, meta_ratios
 from breakgraph.runtime import run_on_stream
 
 VARIANTS = ("eager", "breakgraph", "torch CUDAGraph per segment", "lower bound: monolithic graph, no breaks")
@@ -197,8 +197,7 @@ def main(argv=None) -> int:
             f"torch-per-segment/breakgraph {us[VARIANTS[2]] / ours:.2f}x; "
             f"eager/breakgraph {us[VARIANTS[0]] / ours:.2f}x; breakgraph/lower bound {ours / us[VARIANTS[3]]:.2f}x"
         )
-        if META in us:
-            ratios += f"; meta/breakgraph {us[META] / ours:.2f}x"
+        ratios += meta_ratios(us, {"breakgraph": ours})
         rows.append({"shape": label, "variant": "ratios", "step_us": ratios})
         del captured
     write_outputs("training_step", rows, ["shape", "variant", "step_us", "max_abs_diff_vs_eager"], args.out, device_meta(), draw)

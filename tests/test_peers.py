@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from benchmarks.decoder import AttentionMetadata, MetaBreakable, attention
-from benchmarks.peers import MISSING, load_meta
+from benchmarks.peers import META, MISSING, load_meta, meta_ratios
 
 
 def test_the_installed_library_is_what_load_meta_returns(monkeypatch):
@@ -35,3 +35,9 @@ def test_meta_s_attention_break_writes_attention_s_result_into_its_buffer():
     expected = attention(q, k, v, k_cache.clone(), v_cache.clone(), meta)
     got = MetaBreakable(library).attend(q, k, v, k_cache, v_cache, meta)
     torch.testing.assert_close(got, expected)
+
+
+def test_meta_ratios_name_each_of_ours_only_where_meta_was_measured():
+    assert meta_ratios({"breakgraph": 2.0}, {"breakgraph": 2.0}) == ""
+    assert meta_ratios({META: 3.0}, {"breakgraph": 2.0, "full": 1.5}) == "; meta/breakgraph 1.50x; meta/full 2.00x"
+    assert meta_ratios({META: 3.0}, {"it": 2.0}, digits=3) == "; meta/it 1.500x"
