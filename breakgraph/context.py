@@ -11,6 +11,7 @@ the breaks inside them, run on the capturing thread.
 
 from __future__ import annotations
 
+import contextlib
 from contextvars import ContextVar, Token
 from typing import Any, Callable, Optional, Protocol
 
@@ -59,3 +60,19 @@ def is_capturing() -> bool:
     """True inside an active breakable capture (its graph parts and its eager
     breaks), False outside it and during replay."""
     return _active.get() is not None
+
+
+_full_graph_warmup: ContextVar[bool] = ContextVar("breakgraph_full_graph_warmup", default=False)
+
+warming_up_full_graph = _full_graph_warmup.get
+
+
+@contextlib.contextmanager
+def full_graph_warmup():
+    """Eager warm-up runs before a full-graph capture: breaks run their capturable variants, so
+    what the capture will record (a kernel library's first-call set-up, say) is set up outside it."""
+    token = _full_graph_warmup.set(True)
+    try:
+        yield
+    finally:
+        _full_graph_warmup.reset(token)

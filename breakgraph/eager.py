@@ -63,6 +63,8 @@ def eager_on_graph(function=None, *, enable: bool = True, inline=None, capture_s
     def run(*args, **kwargs):
         capture = context.current()
         if capture is None or not capture.segment_open:
+            if capture is None and callable(run.inline_variant) and context.warming_up_full_graph():
+                return run.inline_variant(*args, **kwargs)
             return function(*args, **kwargs)
         return capture.run_break(function, args, kwargs, inline=run.inline_variant, stub=capture_stub)
 

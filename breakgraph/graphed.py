@@ -6,13 +6,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from typing import Any, Callable
 
 import torch
 
-from breakgraph import runtime, trees
+from breakgraph import context, runtime, trees
 from breakgraph.capture import BreakableCUDAGraphCapture
 from breakgraph.eager import eager_on_graph
 from breakgraph.graph import BreakableCUDAGraph
@@ -72,8 +73,10 @@ class GraphedCallable:
     def _capture(self, warmup: int) -> None:
         fn, args, kwargs = self.fn, self.args, self.kwargs
         with runtime.claim_capture_stream(_device_of(args, kwargs)) as stream:
-            for _ in range(warmup):  # lazy library initialisation must not happen inside the capture
-                runtime.run_on_stream(stream, lambda: fn(*args, **kwargs))
+            # Lazy library initialisation must not happen inside the capture: warm up what it records.
+            with context.full_graph_warmup() if self.options.breaks == "inline" else contextlib.nullcontext():
+                for _ in range(warmup):
+                    runtime.run_on_stream(stream, lambda: fn(*args, **kwargs))
             # Debug mode: the whole function is one eager break, replayed through the same path.
             target = eager_on_graph(fn) if self.debug else fn
             with BreakableCUDAGraphCapture(self.graph, stream=stream, **self.options.arguments()):
@@ -133,7 +136,9 @@ def graphed(
 
     ``fn`` first runs ``warmup`` times eagerly on the capture stream (lazy
     library initialisation must not happen inside a capture; pass 0 if it has
-    side effects that must not repeat). ``debug`` (default ``BREAKGRAPH_DEBUG``)
+    side effects that must not repeat); before a full graph
+    (``breaks="inline"``) its breaks run their capturable variants, which the
+    graph records. ``debug`` (default ``BREAKGRAPH_DEBUG``)
     makes the whole function one eager break replayed through the same code
     path, with debug checks. ``random_ops``, ``generators``, ``breaks`` and
     ``barrier_fn`` are as for :class:`BreakableCUDAGraphCapture`. Without a

@@ -161,3 +161,28 @@ def test_capture_stub_with_the_wrong_shape_is_caught_at_replay():
         body(x) + 1
     with pytest.raises(bg.WritebackError, match=r"body\(\) -> out: shape \(3,\) at capture, \(8,\) at replay"):
         graph.replay()
+
+
+@pytest.mark.parametrize("breaks, ran_before_capture", [("inline", "variant"), ("eager", "function")])
+def test_warm_up_runs_what_the_capture_records(breaks, ran_before_capture):
+    """A full graph records the variants, so its warm-up runs them (a kernel library's first-call
+    set-up must not land inside the capture); a breakable graph's warm-up runs the functions."""
+    calls = []
+
+    @bg.eager_on_graph
+    def scale(x):
+        calls.append(("function", bg.is_capturing()))
+        return x * 2
+
+    @scale.inline
+    def scale_in_graph(x):
+        calls.append(("variant", bg.is_capturing()))
+        return x * 2
+
+    x = torch.randn(8, device=DEV)
+    step = bg.graphed(lambda v: scale(v + 1), x, warmup=1, breaks=breaks)
+    assert calls[0] == (ran_before_capture, False)
+    x.copy_(torch.randn(8, device=DEV))
+    poison_(step.output)
+    assert_close(step.replay(), (x + 1) * 2, 0, 0)
+    assert scale(x) is not None and calls[-1] == ("function", False)  # outside any capture: the function
