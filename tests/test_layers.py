@@ -31,6 +31,7 @@ def test_the_contracts_are_kept():
         ("breakgraph/runtime.py", "import tests.helpers", "library code never imports benchmarks or tests"),
         ("breakgraph/unlisted.py", "import breakgraph.trees", "engine modules form layers"),
         ("benchmarks/decoder.py", "import breakable_cuda_graphs", "only benchmarks.peers imports Meta's library"),
+        ("breakgraph/runner.py", "import transformers", "only breakgraph.hf imports transformers"),
     ],
 )
 def test_a_deliberately_broken_contract_fails(tmp_path, path, line, broken):

@@ -78,7 +78,7 @@ def test_an_editable_install_imports_from_the_folder_that_holds_the_checkout(tmp
     # --without-pip and system site-packages: torch and setuptools from this environment, no network.
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
     python = str(venv / "bin" / "python")
-    flags = _readme_command("python3 -m pytest -q").split("&&")[0].split('".[test,plot]"')[1].split()
+    flags = _readme_command("python3 -m pytest -q").split("&&")[0].split('".[test,plot,transformers]"')[1].split()
     install = subprocess.run(
         [python, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "-e", str(clone), *flags],
         capture_output=True,

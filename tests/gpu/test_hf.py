@@ -1,0 +1,112 @@
+"""A Llama-3.2-1B-shaped transformers model generating through breakgraph.hf, against transformers' eager generation."""
+
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the transformers extra is not installed (pip install -e '.[transformers]')")
+
+from benchmarks.transformers_generate import build_model
+from breakgraph import hf
+from breakgraph.hf import LLAMA_3_2_1B
+
+pytestmark = pytest.mark.gpu
+PROMPT, NEW = 128, 128
+MODES = ["breakable", "full"]
+
+
+def fresh_prompts(batch: int, length: int) -> torch.Tensor:
+    return torch.randint(0, LLAMA_3_2_1B["vocab_size"], (batch, length), device="cuda")
+
+
+def eager_generate(model, ids, new, **kwargs):
+    model.set_attn_implementation("sdpa")
+    try:
+        return model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, **kwargs)
+    finally:
+        model.set_attn_implementation(hf.ATTENTION)
+
+
+@pytest.fixture(scope="module")
+def fp32_model():
+    model = build_model(LLAMA_3_2_1B, torch.float32, seed=random.randrange(2**31))
+    yield model
+    del model
+    torch.cuda.empty_cache()
+
+
+@pytest.fixture(scope="module")
+def fp32_generators(fp32_model):
+    fp32_model.set_attn_implementation(hf.ATTENTION)
+    generators = {
+        mode: hf.Generator(fp32_model, max_length=PROMPT + NEW, max_batch_size=4, mode=mode, progress=False).capture()
+        for mode in MODES
+    }
+    yield generators
+    for generator in generators.values():
+        generator.runner.release()
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("mode", MODES)
+def test_float32_tokens_equal_transformers_eager(fp32_model, fp32_generators, mode, batch):
+    ids = fresh_prompts(batch, PROMPT)
+    expected = eager_generate(fp32_model, ids, NEW)
+    got = fp32_generators[mode].generate(ids, NEW)
+    assert got.shape == expected.shape == (batch, PROMPT + NEW)
+    differs = (got != expected).any(dim=0).nonzero()
+    assert differs.numel() == 0, f"{mode}: first differing column {int(differs[0]) - PROMPT} of {NEW} new tokens"
+    report = fp32_generators[mode].runner.report(print_table=False)
+    assert [row["size"] for row in report["rows"]] == [1, 2, 4]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_left_padded_rows_each_equal_their_own_generation(fp32_model, fp32_generators, mode):
+    # 3 rows of 40, 17 and 1 prompt tokens (left-padded, as tokenizers pad), served by the size-4 graph
+    lengths, width, new = [40, 17, 1], 40, 24
+    ids = fresh_prompts(3, width)
+    mask = torch.zeros(3, width, dtype=torch.long, device="cuda")
+    for row, length in enumerate(lengths):
+        mask[row, width - length :] = 1
+    got = fp32_generators[mode].generate(ids, new, attention_mask=mask)
+    for row, length in enumerate(lengths):
+        alone = eager_generate(fp32_model, ids[row : row + 1, width - length :], new)
+        assert torch.equal(got[row, width:], alone[0, length:]), f"{mode}: row {row} ({length}-token prompt)"
+
+
+def relative_difference(logits: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((logits.float() - expected.float()).abs().max() / expected.float().abs().max())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_bfloat16_logits_within_tolerance_of_transformers_eager(mode):
+    """The README's bfloat16 tolerance: every decode step's logits within 5 % of the largest logit
+    (max |difference| / max |logit|) of transformers' eager forward over the same tokens. Printed
+    beside: how far transformers' own eager generation is from that forward."""
+    model = build_model(LLAMA_3_2_1B, torch.bfloat16, seed=random.randrange(2**31))
+    model.set_attn_implementation(hf.ATTENTION)
+    generator = hf.Generator(model, max_length=PROMPT + 64, max_batch_size=4, mode=mode, progress=False)
+    ids = fresh_prompts(4, PROMPT)
+    tokens, logits = generator.generate(ids, 64, return_logits=True)
+    model.set_attn_implementation("sdpa")
+    with torch.inference_mode():
+        expected = model(tokens[:, :-1]).logits[:, PROMPT - 1 :]
+        own = model.generate(ids, max_new_tokens=64, min_new_tokens=64, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    same = int((own.sequences == tokens).all(dim=0)[PROMPT:].long().cumprod(0).sum())  # new tokens both paths share
+    floor = relative_difference(torch.stack(own.logits, dim=1)[:, : max(same, 1)], expected[:, : max(same, 1)])
+    relative = relative_difference(logits, expected)
+    print(f"{mode}: bfloat16 logits, max |difference| / max |logit| = {relative:.4f}; transformers' own generation: {floor:.4f} over its first {same} tokens")
+    assert relative <= 0.05
+    del generator, model
+    torch.cuda.empty_cache()
+
+
+def test_the_first_generate_captures_before_it_fills_the_cache(fp32_model):
+    """Capturing runs the decode step once, which writes cache slots: a Generator that captures on
+    its first generate() must do so before that call's prefill."""
+    fp32_model.set_attn_implementation(hf.ATTENTION)
+    generator = hf.Generator(fp32_model, max_length=64, max_batch_size=2, progress=False)
+    ids = fresh_prompts(2, 16)
+    assert torch.equal(generator.generate(ids, 32), eager_generate(fp32_model, ids, 32))
+    generator.runner.release()
