@@ -28,10 +28,13 @@ META_INSTALLED = importlib.util.find_spec("breakable_cuda_graphs") is not None
         ("training_step", ["training_step"], True),
         ("soak", ["soak"], False),
         ("graph_memory", ["graph_memory"], False),
+        ("transformers_generate", ["transformers_generate"], False),
     ],
 )
 def test_benchmark_quick_run(name, outputs, measures_meta, tmp_path):
     pytest.importorskip("matplotlib")
+    if name == "transformers_generate":
+        pytest.importorskip("transformers", reason="the transformers extra is not installed")
     module = importlib.import_module(f"benchmarks.{name}")
     assert module.main(["--quick", "--out", str(tmp_path)]) == 0
     for output in outputs:
