@@ -68,3 +68,13 @@ def normalized_model(x, w):
     h = torch.relu(x @ w)
     h = normalize(h)
     return normalize(h @ w) + 1
+
+
+def transformers_eager_generate(model, input_ids, new_tokens: int, **kwargs):
+    """Greedy tokens from transformers' own eager generation (SDPA attention, its dynamic
+    cache), exactly ``new_tokens`` of them; the model is left on breakgraph's attention."""
+    model.set_attn_implementation("sdpa")
+    try:
+        return model.generate(input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **kwargs)
+    finally:
+        model.set_attn_implementation("breakgraph")

@@ -14,6 +14,7 @@ from hypothesis import given, settings, strategies as st
 from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 
 from breakgraph import hf
+from tests.helpers import transformers_eager_generate
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -27,14 +28,6 @@ def model():
     model = LlamaForCausalLM(config).eval()
     model.generation_config.pad_token_id = model.generation_config.eos_token_id = None
     return model
-
-
-def eager_generate(model, ids, new, **kwargs):
-    model.set_attn_implementation("sdpa")
-    try:
-        return model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, **kwargs)
-    finally:
-        model.set_attn_implementation(hf.ATTENTION)
 
 
 def generator(model, **kwargs):
@@ -52,7 +45,7 @@ def test_without_a_generator_it_is_transformers_sdpa_masks_included(model):
     ids = torch.randint(0, 300, (3, 9))
     mask = torch.ones_like(ids)
     mask[1, :5] = 0  # a left-padded row: the padding mask must still apply
-    expected = eager_generate(model, ids, 6, attention_mask=mask)
+    expected = transformers_eager_generate(model, ids, 6, attention_mask=mask)
     model.set_attn_implementation(hf.ATTENTION)
     got = model.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False)
     assert torch.equal(got, expected)
@@ -63,7 +56,7 @@ def test_generation_equals_transformers(model, mode):
     gen = generator(model, mode=mode, max_batch_size=4)
     for batch in (1, 3, 4):
         ids = torch.randint(0, 300, (batch, 12))
-        assert torch.equal(gen.generate(ids, 20), eager_generate(model, ids, 20))
+        assert torch.equal(gen.generate(ids, 20), transformers_eager_generate(model, ids, 20))
 
 
 @settings(max_examples=15, deadline=None)
@@ -77,7 +70,7 @@ def test_left_padded_rows_each_equal_their_own_generation(model, lengths, new):
         mask[row, width - length :] = 1
     got = gen.generate(ids, new, attention_mask=mask)
     for row, length in enumerate(lengths):
-        alone = eager_generate(model, ids[row : row + 1, width - length :], new)
+        alone = transformers_eager_generate(model, ids[row : row + 1, width - length :], new)
         assert torch.equal(got[row, width:], alone[0, length:])
 
 
@@ -98,7 +91,7 @@ def test_the_capturable_variant_attends_as_the_eager_break():
 def test_end_tokens_pad_the_rest_and_stop_generation_as_transformers_does(model):
     gen = generator(model, max_batch_size=4)
     ids = torch.randint(0, 300, (2, 6))
-    free = eager_generate(model, ids, 30)
+    free = transformers_eager_generate(model, ids, 30)
     end = int(free[1, 6 + 3])  # row 1's fourth new token ends it
     expected = model.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=end, pad_token_id=299)
     got, logits = gen.generate(ids, 30, eos_token_id=end, pad_token_id=299, return_logits=True)

@@ -10,6 +10,7 @@ pytest.importorskip("transformers", reason="the transformers extra is not instal
 from benchmarks.transformers_generate import build_model
 from breakgraph import hf
 from breakgraph.hf import LLAMA_3_2_1B
+from tests.helpers import transformers_eager_generate
 
 pytestmark = pytest.mark.gpu
 PROMPT, NEW = 128, 128
@@ -18,14 +19,6 @@ MODES = ["breakable", "full"]
 
 def fresh_prompts(batch: int, length: int) -> torch.Tensor:
     return torch.randint(0, LLAMA_3_2_1B["vocab_size"], (batch, length), device="cuda")
-
-
-def eager_generate(model, ids, new, **kwargs):
-    model.set_attn_implementation("sdpa")
-    try:
-        return model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, **kwargs)
-    finally:
-        model.set_attn_implementation(hf.ATTENTION)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +45,7 @@ def fp32_generators(fp32_model):
 @pytest.mark.parametrize("mode", MODES)
 def test_float32_tokens_equal_transformers_eager(fp32_model, fp32_generators, mode, batch):
     ids = fresh_prompts(batch, PROMPT)
-    expected = eager_generate(fp32_model, ids, NEW)
+    expected = transformers_eager_generate(fp32_model, ids, NEW)
     got = fp32_generators[mode].generate(ids, NEW)
     assert got.shape == expected.shape == (batch, PROMPT + NEW)
     differs = (got != expected).any(dim=0).nonzero()
@@ -71,7 +64,7 @@ def test_left_padded_rows_each_equal_their_own_generation(fp32_model, fp32_gener
         mask[row, width - length :] = 1
     got = fp32_generators[mode].generate(ids, new, attention_mask=mask)
     for row, length in enumerate(lengths):
-        alone = eager_generate(fp32_model, ids[row : row + 1, width - length :], new)
+        alone = transformers_eager_generate(fp32_model, ids[row : row + 1, width - length :], new)
         assert torch.equal(got[row, width:], alone[0, length:]), f"{mode}: row {row} ({length}-token prompt)"
 
 
@@ -108,5 +101,5 @@ def test_the_first_generate_captures_before_it_fills_the_cache(fp32_model):
     fp32_model.set_attn_implementation(hf.ATTENTION)
     generator = hf.Generator(fp32_model, max_length=64, max_batch_size=2, progress=False)
     ids = fresh_prompts(2, 16)
-    assert torch.equal(generator.generate(ids, 32), eager_generate(fp32_model, ids, 32))
+    assert torch.equal(generator.generate(ids, 32), transformers_eager_generate(fp32_model, ids, 32))
     generator.runner.release()
