@@ -64,7 +64,9 @@ def is_capturing() -> bool:
 
 _full_graph_warmup: ContextVar[bool] = ContextVar("breakgraph_full_graph_warmup", default=False)
 
-warming_up_full_graph = _full_graph_warmup.get
+def warming_up_full_graph() -> bool:
+    """True while :func:`full_graph_warmup` is active in this context."""
+    return _full_graph_warmup.get()
 
 
 @contextlib.contextmanager

@@ -34,7 +34,8 @@ def eager_on_graph(function=None, *, enable: bool = True, inline=None, capture_s
     ``inline``: what a full-graph capture (``breaks="inline"``) records in
     place of the break: a capturable variant with the same signature (say,
     attention that reads its lengths from a device tensor), or True when the
-    function itself can be captured. Without one, a full-graph capture
+    function itself can be captured. The eager warm-up before a full-graph
+    capture (``graphed``, the runner) calls the variant too. Without one, a full-graph capture
     refuses the break, since it cannot tell whether the function reads host
     values that a graph would freeze. ``@fn.inline`` registers the variant
     after the fact.

@@ -33,6 +33,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 import breakgraph as bg
 
 ATTENTION = "breakgraph"
+STOP_CHECK_STEPS = 16  # generate() reads the end tokens back this often: one host sync each
 
 LLAMA_3_2_1B = dict(
     vocab_size=128256,
@@ -120,23 +121,26 @@ class KVCache(Cache):
         kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         shape = (max_batch_size, kv_heads, max_length, head_dim)
         super().__init__(layers=[_StaticRowsLayer(self, shape, dtype, device) for _ in range(text.num_hidden_layers)])
-        self.rows = max_batch_size
-        self.slots = max_length
+        self.row_capacity = max_batch_size  # (transformers' Cache has a read-only max_batch_size)
+        self.token_capacity = max_length
         self.lengths = RowLengths()
-        self.positions = torch.zeros(max_batch_size, dtype=torch.long, device=device)
-        self.first_row = 0
-        self.query_length = 1
-        self._rows = torch.arange(max_batch_size, device=device)
-        self._steps = torch.arange(max_length, device=device)
+        self._row_index = torch.arange(max_batch_size, device=device)
+        self._offsets = torch.arange(max_length, device=device)
+        self.begin(torch.zeros(max_batch_size, dtype=torch.long, device=device), first_row=0, query_length=1)
+
+    def begin(self, positions: torch.Tensor, first_row: int, query_length: int) -> None:
+        """What the next forward writes: ``query_length`` tokens per row, row ``r`` of the
+        batch at cache row ``first_row + r`` from slot ``positions[r]``."""
+        self.positions, self.first_row, self.query_length = positions, first_row, query_length
+
+    def position_ids(self, batch: int, query_length: int) -> torch.Tensor:
+        """``(batch, query_length)``: each token's position, which is also its slot."""
+        return self.positions[:batch, None] + self._offsets[:query_length]
 
     def write_index(self, batch: int, query_length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Row and slot indices, ``(batch, query_length)`` each, of the tokens a forward writes."""
-        rows = self._rows[self.first_row : self.first_row + batch, None]
-        slots = self.positions[:batch, None] + self._steps[:query_length]
-        return rows, slots
-
-    def position_ids(self, batch: int, query_length: int) -> torch.Tensor:
-        return self.positions[:batch, None] + self._steps[:query_length]
+        rows = self._row_index[self.first_row : self.first_row + batch, None]
+        return rows, self.position_ids(batch, query_length)
 
 
 def _grouped(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -157,7 +161,8 @@ def _visible(ends: torch.Tensor, query_length: int, groups: int, slots: int) -> 
 @bg.eager_on_graph
 def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, lengths: RowLengths, scaling: float):
     """Attention over each row's cached tokens, as many as ``lengths`` says on the host:
-    ``(b, heads, q, d)`` queries, ``(b, kv_heads, max_length, d)`` caches, ``(b, q, heads, d)`` out."""
+    ``(b, heads, q, d)`` queries, ``(b, kv_heads, max_length, d)`` caches, ``(b, q, heads, d)`` out.
+    ``positions`` is not read here: the capturable variant reads lengths from it instead."""
     batch, heads, length, dim = query.shape
     kv_heads = keys.shape[1]
     ends = lengths.for_rows(batch)
@@ -185,25 +190,38 @@ def attend_in_graph(query, keys, values, positions, lengths, scaling):
     return out.reshape(batch, heads, length, dim).transpose(1, 2).contiguous()
 
 
+_generating: contextvars.ContextVar["KVCache | None"] = contextvars.ContextVar("breakgraph_hf_cache", default=None)
+"""The cache of the Generator whose forward is under way in this context, if any."""
+
+# What a model may ask of attention that the break does not do: refused rather than ignored.
+_UNSUPPORTED = {"softcap": "logit soft-capping", "s_aux": "attention sinks"}
+
+
 def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """The ``"breakgraph"`` attention implementation (transformers' attention-function signature)."""
-    cache = kwargs.get("breakgraph_cache")
+    cache = _generating.get()
     if cache is None:  # not under a Generator: transformers' SDPA attention, as "sdpa" would run it
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if dropout:
         raise ValueError("breakgraph's attention is for inference: put the model in eval mode (model.eval())")
+    window = kwargs.get("sliding_window")
+    if window is not None and window < cache.token_capacity:
+        raise NotImplementedError(
+            f"{type(module).__name__} attends through a sliding window of {window} tokens, which breakgraph.hf "
+            f"does not apply: give the Generator a max_length of at most {window}, or use a model without one"
+        )
+    for name, what in _UNSUPPORTED.items():
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"{type(module).__name__} asks attention for {what} ({name}=), which breakgraph.hf does not apply")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return attend(query, key, value, cache.positions, cache.lengths, scale), None
-
-
-_generating = contextvars.ContextVar("breakgraph_hf_generating", default=False)
 
 
 def attention_mask(*args, **kwargs):
     """The ``"breakgraph"`` mask implementation: none under a Generator, whose attention knows each
     row's length (under capture transformers would otherwise build a mask into the graph that
     nothing reads); transformers' SDPA mask otherwise."""
-    return None if _generating.get() else sdpa_mask(*args, **kwargs)
+    return None if _generating.get() is not None else sdpa_mask(*args, **kwargs)
 
 
 AttentionInterface.register(ATTENTION, attention_forward)
@@ -218,7 +236,9 @@ class Generator:
     holds ``max_batch_size`` rows of ``max_length`` tokens (prompt and
     generated). Prefill runs eagerly; every later token comes from one
     replay of the graph captured for the smallest batch size that fits
-    (``capture_sizes``, default 1, 2, 4, 8, … up to ``max_batch_size``).
+    (``capture_sizes``; by default the runner's: 1, 2, 4, 8, then every
+    multiple of 8, up to ``max_batch_size``), or eagerly for a batch above
+    the largest captured size.
     ``mode`` is the runner's graph mode: "breakable" (attention between
     segments, reading each row's length on the host) or "full" (one graph
     per size, attention over the whole cache under a device mask).
@@ -238,17 +258,19 @@ class Generator:
         progress: bool = True,
         debug: bool | None = None,
     ):
-        implementation = model.config._attn_implementation
-        if implementation != ATTENTION:
+        if not getattr(model, "_supports_attention_backend", False):
             raise ValueError(
-                f"the model uses the attention implementation {implementation!r}; select breakgraph's first: "
-                f"model.set_attn_implementation({ATTENTION!r})"
+                f"{type(model).__name__} does not route its attention through transformers' AttentionInterface, "
+                "so breakgraph's attention cannot be selected for it"
             )
+        self.model = model
+        self._require_breakgraph_attention()
         if model.training:
             raise ValueError("Generator runs inference: put the model in eval mode first (model.eval())")
         parameter = next(model.parameters())
-        self.model = model
         self.device = parameter.device
+        if capture_sizes is not None and max(capture_sizes) > max_batch_size:
+            raise ValueError(f"capture_sizes {list(capture_sizes)} go above max_batch_size {max_batch_size}: raise max_batch_size")
         self.cache = KVCache(model.config, max_batch_size, max_length, parameter.dtype, parameter.device)
         static = {
             "input_ids": torch.zeros(max_batch_size, 1, dtype=torch.long, device=self.device),
@@ -257,21 +279,29 @@ class Generator:
         self.runner = bg.GraphRunner(self._decode_step, static, capture_sizes, modes=mode, progress=progress, debug=debug)
         self._captured = False
 
+    def _require_breakgraph_attention(self) -> None:
+        implementation = self.model.config._attn_implementation
+        if implementation != ATTENTION:
+            raise ValueError(
+                f"the model uses the attention implementation {implementation!r}; select breakgraph's first: "
+                f"model.set_attn_implementation({ATTENTION!r})"
+            )
+
     @property
     def max_batch_size(self) -> int:
-        return self.cache.rows
+        return self.cache.row_capacity
 
     @property
     def max_length(self) -> int:
-        return self.cache.slots
+        return self.cache.token_capacity
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, first_row: int = 0) -> torch.Tensor:
         """Logits of ``input_ids`` (``(b, q)``), whose row ``r`` starts at slot ``positions[r]`` of
         cache row ``first_row + r``."""
         batch, length = input_ids.shape
         cache = self.cache
-        cache.positions, cache.first_row, cache.query_length = positions, first_row, length
-        token = _generating.set(True)
+        cache.begin(positions, first_row, length)
+        token = _generating.set(cache)
         try:
             output = self.model(
                 input_ids=input_ids,
@@ -279,7 +309,6 @@ class Generator:
                 past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,
-                breakgraph_cache=cache,
             )
         finally:
             _generating.reset(token)
@@ -308,17 +337,23 @@ class Generator:
         return_logits: bool = False,
     ):
         """Greedy tokens after ``input_ids`` (``(n, T)``; left-padded rows with ``attention_mask``, as
-        transformers' tokenizers pad for generation): the prompt and ``max_new_tokens`` new tokens
-        per row, as ``model.generate(do_sample=False)`` returns them.
+        transformers' tokenizers pad for generation): the prompt and up to ``max_new_tokens`` new
+        tokens per row, as ``model.generate(do_sample=False)`` returns them.
 
-        With ``eos_token_id``, a row that produced it is padded with ``pad_token_id`` (default: the
-        first end token) from then on, and generation stops once every row has. With
+        End tokens are ``eos_token_id``, by default the model's generation config's (pass ``()``
+        for none): a row that produced one is padded with ``pad_token_id`` (by default the
+        config's, else the first end token) from then on, and generation stops once every row
+        has (checked every ``STOP_CHECK_STEPS`` steps, one host read each). With
         ``return_logits``, also the logits of every new token, ``(n, new, vocab)``.
         """
+        self._require_breakgraph_attention()  # another attention would ignore the cache's lengths
         prompt_lengths = self._prompt_lengths(input_ids, attention_mask, max_new_tokens)
         self.capture()  # before the prefill: capturing runs the step, which writes cache slots
         n = input_ids.shape[0]
-        stops = _as_tuple(eos_token_id)
+        config = self.model.generation_config
+        stops = _as_tuple(config.eos_token_id if eos_token_id is None else eos_token_id)
+        if pad_token_id is None:
+            pad_token_id = config.pad_token_id
         pad = pad_token_id if pad_token_id is not None else (stops[0] if stops else 0)
         tokens = torch.empty(n, max_new_tokens, dtype=torch.long, device=self.device)
         logits = [] if return_logits else None
@@ -336,7 +371,7 @@ class Generator:
                 logits.append(step_logits.clone())
             positions += 1
             done = step + 1
-            if stops and done % 16 == 0 and _all_stopped(tokens[:, :done], stops):
+            if stops and done % STOP_CHECK_STEPS == 0 and _all_stopped(tokens[:, :done], stops):
                 break
         tokens = tokens[:, :done]
         if stops:
@@ -345,8 +380,8 @@ class Generator:
         return (out, torch.stack(logits[: tokens.shape[1]], dim=1)) if logits is not None else out
 
     def _prompt_lengths(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int) -> list[int]:
-        if input_ids.ndim != 2 or input_ids.shape[1] == 0:
-            raise ValueError(f"input_ids must be (batch, prompt length) with a prompt, got shape {tuple(input_ids.shape)}")
+        if input_ids.ndim != 2 or 0 in input_ids.shape:
+            raise ValueError(f"input_ids must be (batch, prompt length), with rows and a prompt, got shape {tuple(input_ids.shape)}")
         n, length = input_ids.shape
         if n > self.max_batch_size:
             raise ValueError(f"{n} prompts, but this Generator's cache holds {self.max_batch_size} rows (max_batch_size)")

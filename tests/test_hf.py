@@ -11,7 +11,17 @@ import torch
 pytest.importorskip("transformers", reason="the transformers extra is not installed (pip install -e '.[transformers]')")
 
 from hypothesis import given, settings, strategies as st
-from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AttentionInterface,
+    GPTJConfig,
+    GPTJForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from breakgraph import hf
 from tests.helpers import transformers_eager_generate
@@ -110,6 +120,10 @@ def test_mistakes_are_refused_with_what_to_do(model):
         gen.generate(torch.zeros(1, 10, dtype=torch.long), 10)
     with pytest.raises(ValueError, match="not left-padded"):
         gen.generate(torch.zeros(1, 4, dtype=torch.long), 2, attention_mask=torch.tensor([[1, 1, 0, 0]]))
+    with pytest.raises(ValueError, match="with rows and a prompt"):
+        gen.generate(torch.zeros(0, 4, dtype=torch.long), 2)
+    with pytest.raises(ValueError, match="go above max_batch_size 2"):
+        generator(model, max_batch_size=2, capture_sizes=[1, 4])
     model.train()
     try:
         with pytest.raises(ValueError, match="eval"):
@@ -127,3 +141,54 @@ def test_the_worked_example_runs_without_a_gpu(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "no CUDA GPU" in done.stdout and "row 0, first 16 new tokens" in done.stdout
+
+
+SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def small(model_class, config_class, **overrides):
+    model = model_class(config_class(**SMALL, **overrides)).eval()
+    model.generation_config.pad_token_id = model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.mark.parametrize(
+    "model_class, config_class, overrides",
+    [(Qwen2ForCausalLM, Qwen2Config, {}), (MistralForCausalLM, MistralConfig, {"sliding_window": 64})],
+    ids=["qwen2", "mistral, window as long as the cache"],
+)
+def test_other_decoder_families_equal_transformers(model_class, config_class, overrides):
+    model = small(model_class, config_class, **overrides)
+    gen = generator(model, max_batch_size=2, max_length=64)
+    ids = torch.randint(0, 300, (2, 10))
+    assert torch.equal(gen.generate(ids, 30), transformers_eager_generate(model, ids, 30))
+
+
+def test_what_the_break_does_not_apply_is_refused_not_ignored():
+    model = small(MistralForCausalLM, MistralConfig, sliding_window=16)
+    gen = generator(model, max_batch_size=1, max_length=64)
+    with pytest.raises(NotImplementedError, match="sliding window of 16 tokens.*max_length of at most 16"):
+        gen.generate(torch.randint(0, 300, (1, 8)), 4)
+    gptj = GPTJForCausalLM(GPTJConfig(vocab_size=300, n_embd=64, n_layer=2, n_head=4, rotary_dim=8)).eval()
+    with pytest.raises(ValueError, match="does not route its attention through transformers' AttentionInterface"):
+        hf.Generator(gptj, max_length=32)
+
+
+def test_end_tokens_default_to_the_generation_config_as_transformers_does(model):
+    gen = generator(model, max_batch_size=2)
+    ids = torch.randint(0, 300, (1, 6))
+    end = int(transformers_eager_generate(model, ids, 8)[0, 6 + 2])
+    model.generation_config.eos_token_id = end
+    try:
+        model.set_attn_implementation("sdpa")
+        # an explicit mask: transformers would otherwise take prompt tokens equal to the end token for padding
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
+        with pytest.raises(ValueError, match="uses the attention implementation 'sdpa'"):
+            gen.generate(ids, 40)  # switched away after the Generator was made: refused, not silently wrong
+        model.set_attn_implementation(hf.ATTENTION)
+        got = gen.generate(ids, 40)
+        assert torch.equal(got, expected) and got.shape[1] < 6 + 40
+        assert gen.generate(ids, 40, eos_token_id=()).shape[1] == 6 + 40  # () turns the end tokens off
+    finally:
+        model.generation_config.eos_token_id = None
+        model.set_attn_implementation(hf.ATTENTION)
