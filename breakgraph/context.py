@@ -64,6 +64,7 @@ def is_capturing() -> bool:
 
 _full_graph_warmup: ContextVar[bool] = ContextVar("breakgraph_full_graph_warmup", default=False)
 
+
 def warming_up_full_graph() -> bool:
     """True while :func:`full_graph_warmup` is active in this context."""
     return _full_graph_warmup.get()

@@ -35,10 +35,10 @@ def eager_on_graph(function=None, *, enable: bool = True, inline=None, capture_s
     place of the break: a capturable variant with the same signature (say,
     attention that reads its lengths from a device tensor), or True when the
     function itself can be captured. The eager warm-up before a full-graph
-    capture (``graphed``, the runner) calls the variant too. Without one, a full-graph capture
-    refuses the break, since it cannot tell whether the function reads host
-    values that a graph would freeze. ``@fn.inline`` registers the variant
-    after the fact.
+    capture (``graphed``, the runner) calls the variant too. Without one, a
+    full-graph capture refuses the break, since it cannot tell whether the
+    function reads host values that a graph would freeze. ``@fn.inline``
+    registers the variant after the fact.
 
     ``capture_stub``: called instead of the function while a breakable
     capture records it (a slow or collective body that capture need not

@@ -349,6 +349,7 @@ class Generator:
         self._require_breakgraph_attention()  # another attention would ignore the cache's lengths
         prompt_lengths = self._prompt_lengths(input_ids, attention_mask, max_new_tokens)
         self.capture()  # before the prefill: capturing runs the step, which writes cache slots
+        input_ids = input_ids.to(self.device)
         n = input_ids.shape[0]
         config = self.model.generation_config
         stops = _as_tuple(config.eos_token_id if eos_token_id is None else eos_token_id)
@@ -357,7 +358,7 @@ class Generator:
         pad = pad_token_id if pad_token_id is not None else (stops[0] if stops else 0)
         tokens = torch.empty(n, max_new_tokens, dtype=torch.long, device=self.device)
         logits = [] if return_logits else None
-        first = self._prefill(input_ids.to(self.device), prompt_lengths)
+        first = self._prefill(input_ids, prompt_lengths)
         tokens[:, 0] = first.argmax(-1)
         if logits is not None:
             logits.append(first)
@@ -376,7 +377,7 @@ class Generator:
         tokens = tokens[:, :done]
         if stops:
             tokens = _pad_after_stop(tokens, stops, pad)
-        out = torch.cat([input_ids.to(self.device), tokens], dim=1)
+        out = torch.cat([input_ids, tokens], dim=1)
         return (out, torch.stack(logits[: tokens.shape[1]], dim=1)) if logits is not None else out
 
     def _prompt_lengths(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int) -> list[int]:
@@ -407,10 +408,9 @@ class Generator:
         if len(set(prompt_lengths)) == 1 and prompt_lengths[0] == length:
             self.cache.lengths.set(prompt_lengths)
             return self._forward(input_ids, torch.zeros(n, dtype=torch.long, device=self.device))
-        rows = []
+        rows, zero = [], torch.zeros(1, dtype=torch.long, device=self.device)
         for row, real in enumerate(prompt_lengths):  # left padding is not the model's input: one row at a time
             self.cache.lengths.set([real])
-            zero = torch.zeros(1, dtype=torch.long, device=self.device)
             rows.append(self._forward(input_ids[row : row + 1, length - real :], zero, first_row=row))
         return torch.cat(rows)
 
@@ -421,14 +421,19 @@ def _as_tuple(token_ids) -> tuple[int, ...]:
     return (int(token_ids),) if isinstance(token_ids, int) else tuple(int(t) for t in token_ids)
 
 
+def _end_tokens(tokens: torch.Tensor, stops: tuple[int, ...]) -> torch.Tensor:
+    """Where ``tokens`` holds an end token."""
+    return torch.isin(tokens, torch.tensor(stops, device=tokens.device))
+
+
 def _all_stopped(tokens: torch.Tensor, stops: tuple[int, ...]) -> bool:
-    return bool(torch.isin(tokens, torch.tensor(stops, device=tokens.device)).any(dim=1).all())
+    return bool(_end_tokens(tokens, stops).any(dim=1).all())
 
 
 def _pad_after_stop(tokens: torch.Tensor, stops: tuple[int, ...], pad: int) -> torch.Tensor:
     """Tokens after each row's first end token replaced by ``pad``, and the columns after the
     last row's end dropped, as transformers' greedy search leaves them."""
-    stopped = torch.isin(tokens, torch.tensor(stops, device=tokens.device))
+    stopped = _end_tokens(tokens, stops)
     after = (stopped.cumsum(dim=1) - stopped.long()) > 0  # strictly after the first end token
     tokens = tokens.masked_fill(after, pad)
     if bool(stopped.any(dim=1).all()):
