@@ -24,8 +24,9 @@ from breakgraph.segments import GraphSegment, SharedExecutable
 
 @dataclass(frozen=True)
 class Refusal:
-    """A segment that could not join an executable of its topology: ``graph`` (its position
-    in the list given to :func:`share_executables`), the segment's index, and why."""
+    """A segment that no executable of its topology would take, so it keeps its own:
+    ``graph`` (its position in the list given to :func:`share_executables`), the
+    segment's index, and why (CUDA's update results, each once)."""
 
     graph: int
     segment: int
@@ -64,16 +65,20 @@ def share_executables(graphs: Sequence[BreakableCUDAGraph]) -> list[Refusal]:
 
 
 def _join(segment: GraphSegment, group: list, refusals: list, position: int) -> bool:
-    """Make ``segment`` launch the first executable of ``group`` that takes its graph."""
+    """Make ``segment`` launch the first executable of ``group`` that takes its graph; if
+    every one of its topology refuses, record one refusal (it then keeps its own)."""
+    reasons = []
     for shared, owner in group:
         if owner.num_nodes != segment.num_nodes:
             continue  # another topology: CUDA would refuse it
         try:
             shared.take(segment.graph)
         except bindings.GraphUpdateRefused as refused:
-            refusals.append(Refusal(position, segment.index, refused.reason))
+            reasons.append(refused.reason)
             continue
         segment.share(shared)
         owner.shared = shared  # it keeps its executable, and launches through the shared one
         return True
+    if reasons:
+        refusals.append(Refusal(position, segment.index, ", ".join(dict.fromkeys(reasons))))
     return False
