@@ -15,7 +15,8 @@ Part 2, an engine's start-up: the decoder of ``decode_step`` captured at the
 35 batch sizes vLLM captures by default up to 256 (1, 2, 4, 8, 16, 24, …,
 256) into one shared pool: breakgraph's GraphRunner with its defaults (one
 warm-up step, then every size captured directly), the runner with a warm-up
-step before every size, one torch.cuda.CUDAGraph per segment per size
+step before every size, the runner measuring its executables' memory
+(``measure_memory=True``), one torch.cuda.CUDAGraph per segment per size
 after a warm-up step per size (the peers' way), and Meta's library's way:
 a warm-up step per size, then one ``BreakableCUDAGraph`` per size, all
 sharing one pool. A lazy runner's first-use latency (capture on the first
@@ -175,6 +176,7 @@ def startup_rows(config: DecoderConfig, sizes, repeats, meta_library) -> list[di
     makers = {
         "breakgraph GraphRunner": lambda: capture_breakgraph_sizes(inputs, sizes),
         "breakgraph GraphRunner, warm-up before every size": lambda: capture_breakgraph_sizes(inputs, sizes, warmup=1),
+        "breakgraph GraphRunner, measure_memory=True": lambda: capture_breakgraph_sizes(inputs, sizes, measure_memory=True),
         "torch CUDAGraph per segment": lambda: capture_piecewise_sizes(inputs, sizes, torch.cuda.graph_pool_handle(), stream),
     }
     if meta_library is not None:
@@ -208,10 +210,12 @@ def startup_rows(config: DecoderConfig, sizes, repeats, meta_library) -> list[di
     ]
     median = {name: statistics.median(values) for name, values in ms.items()}
     ours, ours_each = median["breakgraph GraphRunner"], median["breakgraph GraphRunner, warm-up before every size"]
+    ours_measured = median["breakgraph GraphRunner, measure_memory=True"]
     theirs = median["torch CUDAGraph per segment"]
     ratios = (
         f"torch-per-segment/breakgraph {theirs / ours:.2f}x; "
-        f"torch-per-segment/breakgraph warm-up before every size {theirs / ours_each:.2f}x"
+        f"torch-per-segment/breakgraph warm-up before every size {theirs / ours_each:.2f}x; "
+        f"torch-per-segment/breakgraph measure_memory=True {theirs / ours_measured:.2f}x"
     )
     ratios += meta_ratios(median, {"breakgraph": ours})
     rows.append({"sizes": len(sizes), "variant": "ratios", "capture_ms": ratios})
@@ -274,7 +278,7 @@ def draw(ax, rows):
 def draw_startup(ax, rows):
     rows = [r for r in rows if isinstance(r["capture_ms"], float)]
     names = [r["variant"] for r in rows]
-    ax.barh(names, [r["capture_ms"] for r in rows], color=["tab:blue", "tab:cyan", "tab:orange", "tab:green"][: len(rows)])
+    ax.barh(names, [r["capture_ms"] for r in rows], color=["tab:blue", "tab:cyan", "tab:purple", "tab:orange", "tab:green"][: len(rows)])
     ax.set_xlabel(f"ms to capture the decoder at {rows[0]['sizes']} batch sizes (lower is better)")
     ax.set_title(f"Engine start-up capture\n{torch.cuda.get_device_name()}")
 

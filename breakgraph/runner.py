@@ -74,6 +74,12 @@ class GraphRunner:
     first updates each shared segment. Memory an engine can plan around:
     :meth:`estimate_memory` (before capturing), :meth:`memory`,
     :meth:`release` and :meth:`restore`.
+
+    ``measure_memory=True`` measures the device memory each executable takes
+    as it is instantiated (``cudaMemGetInfo`` around it, and an upload so the
+    driver's whole share is counted), which :meth:`memory` and :meth:`report`
+    then count. It is off by default: it costs start-up about a fifth.
+    :meth:`estimate_memory` measures its probes either way.
     """
 
     def __init__(
@@ -98,6 +104,7 @@ class GraphRunner:
         after_replay=None,
         on_capture_error: str = "raise",
         share_executables: bool = False,
+        measure_memory: bool = False,
     ):
         if not callable(fn):
             raise TypeError(f"GraphRunner needs a callable to capture, got {type(fn).__name__}")
@@ -126,8 +133,11 @@ class GraphRunner:
         self.lazy = lazy
         self.progress = progress
         self.debug = runtime.debug_requested(debug)
-        # Measured: memory(), estimate_memory() and report() count the executables' memory.
-        self.options = CaptureOptions.parse(random_ops=random_ops, generators=generators, barrier_fn=barrier_fn, measure_memory=True)
+        if not isinstance(measure_memory, bool):
+            raise TypeError(f"measure_memory must be True or False, got {measure_memory!r}")
+        self.options = CaptureOptions.parse(
+            random_ops=random_ops, generators=generators, barrier_fn=barrier_fn, measure_memory=measure_memory
+        )
         check_replay_hooks(before_replay, after_replay)
         self.replay_hooks = {"before": before_replay, "after": after_replay}
         if on_capture_error not in ("raise", "eager"):
@@ -190,12 +200,14 @@ class GraphRunner:
             for refusal in refusals:
                 self.refusals.setdefault((key, captured[refusal.graph][0]), []).append(refusal)
 
-    def _capture_one(self, key: Hashable, size: int) -> GraphedCallable | None:
-        """Capture (key, size); with ``on_capture_error="eager"`` a failure is logged and
-        remembered, and the size is served eagerly (None)."""
+    def _capture_one(self, key: Hashable, size: int, measure: bool | None = None) -> GraphedCallable | None:
+        """Capture (key, size), measuring its executables' memory if ``measure`` (default: the
+        runner's ``measure_memory``); with ``on_capture_error="eager"`` a failure is logged
+        and remembered, and the size is served eagerly (None)."""
         started = time.perf_counter()
+        measure = self.options.measure_memory if measure is None else measure
         try:
-            graphed = self._warm_up_and_capture(key, size)
+            graphed = self._warm_up_and_capture(key, size, measure)
         except Exception as error:
             if self.on_capture_error == "raise":
                 raise
@@ -206,28 +218,29 @@ class GraphRunner:
         self._capture_seconds[(key, size)] = time.perf_counter() - started
         return graphed
 
-    def _warm_up_and_capture(self, key: Hashable, size: int) -> GraphedCallable:
+    def _warm_up_and_capture(self, key: Hashable, size: int, measure: bool) -> GraphedCallable:
         if self.warmup == "auto":
             first_of_key = not any(done == key for done, _size in self._graphed)
             try:
-                graphed = self._graphed_at(key, size, warmup=1 if first_of_key else 0)
+                graphed = self._graphed_at(key, size, 1 if first_of_key else 0, measure)
             except Exception as error:
                 if first_of_key or not (isinstance(error, UncapturableOpError) or is_capture_violation(error)):
                     raise
                 log.info("capture of size %d failed without warm-up (%s): warming up and capturing again", size, error)
-                graphed = self._graphed_at(key, size, warmup=1)
+                graphed = self._graphed_at(key, size, 1, measure)
                 first_of_key = True
             if first_of_key:
                 self._warmed_up.add((key, size))
         else:
-            graphed = self._graphed_at(key, size, warmup=self.warmup)
+            graphed = self._graphed_at(key, size, self.warmup, measure)
             if self.warmup:
                 self._warmed_up.add((key, size))
         return graphed
 
-    def _graphed_at(self, key: Hashable, size: int, warmup: int) -> GraphedCallable:
+    def _graphed_at(self, key: Hashable, size: int, warmup: int, measure: bool) -> GraphedCallable:
         args, kwargs = self._arguments(self.inputs.views(size), key)
-        options = dataclasses.replace(self.options, breaks="inline" if self.modes[key] == "full" else "eager")
+        breaks = "inline" if self.modes[key] == "full" else "eager"
+        options = dataclasses.replace(self.options, breaks=breaks, measure_memory=measure)
         graphed = GraphedCallable(self.fn, args, kwargs, options, debug=self.debug, pool=self.pool, warmup=warmup, warn=False)
         graphed.graph.set_replay_hooks(**self.replay_hooks)
         return graphed
@@ -299,16 +312,20 @@ class GraphRunner:
     # -- memory ----------------------------------------------------------------------------
     def memory(self) -> dict:
         """Device memory the graphs hold now: the shared pool (reserved, allocated or cached)
-        and the executables (measured with ``cudaMemGetInfo`` at instantiation)."""
+        and the executables (measured with ``cudaMemGetInfo`` at instantiation). The
+        executables' bytes, and so the total, are None where some graph's were not
+        measured (``measure_memory=False``, the default)."""
         pool = pool_bytes(self.pool) if self.pool is not None else 0
-        executables = sum(graphed.graph.executable_bytes for graphed in self._graphed.values())
-        return {"pool_bytes": pool, "executable_bytes": executables, "total_bytes": pool + executables}
+        measured = [graphed.graph.executable_bytes for graphed in self._graphed.values()]
+        executables = None if None in measured else sum(measured)
+        total = None if executables is None else pool + executables
+        return {"pool_bytes": pool, "executable_bytes": executables, "total_bytes": total}
 
     def estimate_memory(self, probes: int = 5) -> MemoryEstimate:
         """Capture a few sizes of every key (the largest, the smallest and ``probes - 2``
         between; they stay captured, and :meth:`capture` captures the rest) and estimate
-        what the graphs of all sizes will hold (pool and executables). Call it before
-        :meth:`capture`."""
+        what the graphs of all sizes will hold (pool and executables: the probes measure
+        their executables whatever ``measure_memory`` says). Call it before :meth:`capture`."""
         runtime.require_cuda("GraphRunner.estimate_memory")
         if self._graphed or self._failed:
             raise RuntimeError("estimate_memory() captures its probes into an empty runner: call it before capture()")
@@ -320,7 +337,7 @@ class GraphRunner:
         usage = PoolUsage.of(self.pool)
         for key, size in work:
             kept_before = usage.allocated_bytes
-            graphed = self._capture_one(key, size)
+            graphed = self._capture_one(key, size, measure=True)
             usage = PoolUsage.of(self.pool)
             if graphed is not None:
                 kept = usage.allocated_bytes - kept_before
@@ -387,7 +404,7 @@ class GraphRunner:
                 "size": size,
                 "graphs": graphed.graph.num_graphs,
                 "eager_breaks": graphed.graph.num_eager_breaks,
-                "executable_kib": round(graphed.graph.executable_bytes / 1024, 1),
+                "executable_kib": _kib(graphed.graph.executable_bytes),
                 "shared_segments": sum(1 for segment in graphed.graph.segments if segment.shared is not None),
                 "capture_ms": round(self._capture_seconds[(key, size)] * 1000, 2),
                 "warmed_up": (key, size) in self._warmed_up,
@@ -410,13 +427,20 @@ class GraphRunner:
                 columns = ["key", "mode", "size", "graphs", "eager_breaks", "capture_ms", "warmed_up", "executable_kib"]
                 columns += ["shared_segments"] if self.share_executables else []
                 print(format_table(rows, columns + (["first_use_ms"] if self._first_use_seconds else [])))
-                print(
-                    f"{len(rows)} graphs captured, pool holds {memory['pool_bytes'] / 2**20:.1f} MiB, "
-                    f"executables {memory['executable_bytes'] / 2**20:.1f} MiB"
+                executables = memory["executable_bytes"]
+                executables = (
+                    f"executables {executables / 2**20:.1f} MiB"
+                    if executables is not None
+                    else "executables not measured (GraphRunner(measure_memory=True) measures them)"
                 )
+                print(f"{len(rows)} graphs captured, pool holds {memory['pool_bytes'] / 2**20:.1f} MiB, {executables}")
                 for row in failed:
                     print(f"size {row['size']} (key {row['key'] or None}) is served eagerly: its capture failed: {row['reason']}")
         return report
+
+
+def _kib(nbytes: int | None) -> float | str:
+    return "" if nbytes is None else round(nbytes / 1024, 1)
 
 
 def _measured(action: Callable[[], object]) -> tuple[int, float]:

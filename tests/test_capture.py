@@ -53,4 +53,7 @@ def test_ending_or_aborting_a_capture_that_never_began_says_so():
 def test_executable_memory_is_measured_only_when_asked():
     assert not bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph()).options.measure_memory
     assert bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph(), measure_memory=True).options.measure_memory
-    assert bg.GraphRunner(lambda x: x, torch.zeros(4, 2)).options.measure_memory  # memory() counts executables
+    assert not bg.GraphRunner(lambda x: x, torch.zeros(4, 2)).options.measure_memory  # measuring costs start-up
+    assert bg.GraphRunner(lambda x: x, torch.zeros(4, 2), measure_memory=True).options.measure_memory
+    with pytest.raises(TypeError, match="measure_memory must be True or False"):
+        bg.GraphRunner(lambda x: x, torch.zeros(4, 2), measure_memory="yes")
