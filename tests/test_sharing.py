@@ -1,0 +1,61 @@
+"""Sharing executables without a GPU: which refusals are recorded (executables faked, segments real)."""
+
+from cuda.bindings import runtime as cudart
+
+import breakgraph as bg
+import breakgraph_bindings as bindings
+from breakgraph.segments import GraphSegment
+from breakgraph.sharing import Refusal
+
+_UPDATE_FAILURE = int(cudart.cudaError_t.cudaErrorGraphExecUpdateFailure)
+
+
+class _Executable:
+    """Takes any captured graph's parameters but those of ``refuses``."""
+
+    def __init__(self, refuses=()):
+        self.refuses = set(refuses)
+        self.destroyed = False
+
+    def update(self, graph) -> None:
+        if graph in self.refuses:
+            raise bindings.GraphUpdateRefused(_UPDATE_FAILURE, "cudaGraphExecUpdate", "", "ErrorTopologyChanged")
+
+    def destroy(self) -> None:
+        self.destroyed = True
+
+
+class _Graph:
+    """A captured breakable graph of one graph segment."""
+
+    captured, released = True, False
+
+    def __init__(self, name: str, executable: _Executable, num_nodes: int = 3):
+        self.segments = (GraphSegment(0, f"graph of {name}", name, executable, num_nodes),)
+
+    def rebuild_replay_plan(self) -> None:
+        pass
+
+
+def test_a_segment_refused_by_one_executable_that_joins_another_is_not_refused():
+    first = _Graph("a", _Executable(refuses={"b", "c"}))
+    second = _Graph("b", _Executable())
+    third = _Graph("c", _Executable())
+    refusals = bg.share_executables([first, second, third])
+    # b: the only executable of its topology refused it, so it keeps its own; c: refused by a's, taken by b's
+    assert refusals == [Refusal(1, 0, "ErrorTopologyChanged")]
+    assert second.segments[0].executable is not None and second.segments[0].shared is not None
+    assert third.segments[0].executable is None and third.segments[0].shared is second.segments[0].shared
+    assert third.segments[0].shared.holds == "c"
+
+
+def test_another_topology_is_not_a_refusal_and_each_reason_is_said_once():
+    first = _Graph("a", _Executable(refuses={"c", "d"}))
+    second = _Graph("b", _Executable(), num_nodes=5)  # another topology: its own executable, not refused
+    third = _Graph("c", _Executable())
+    fourth = _Graph("d", _Executable(refuses={"c"}))
+    refusals = bg.share_executables([first, second, fourth, third])
+    # d: refused by a's; c: refused by a's and by d's, for the same reason, said once
+    assert refusals == [Refusal(2, 0, "ErrorTopologyChanged"), Refusal(3, 0, "ErrorTopologyChanged")]
+    assert second.segments[0].executable is not None and second.segments[0].shared is None
+    assert all(graph.segments[0].executable is not None for graph in (first, third, fourth))
