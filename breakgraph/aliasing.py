@@ -32,7 +32,7 @@ def _aliasable(leaf) -> bool:
     return type(leaf) in (torch.Tensor, torch.nn.Parameter)
 
 
-def alias_leaves(leaves: list) -> list:
+def alias_leaves(leaves) -> list:
     """``leaves`` with every plain tensor replaced by its alias; other leaves (metadata
     objects an engine mutates between steps) kept by reference."""
     return [alias_tensor(leaf) if _aliasable(leaf) else leaf for leaf in leaves]

@@ -18,7 +18,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from breakgraph import trees
-from breakgraph.aliasing import alias_leaves, alias_result
+from breakgraph.aliasing import alias_leaves, alias_result, alias_tensor
 from breakgraph.pool import PoolUsage
 from breakgraph.segments import EagerSegment
 from breakgraph.writeback import make_writer
@@ -62,16 +62,18 @@ def record_break(
     the writer that puts each replay's result where later segments read it. With
     ``pool_usage`` (debug mode: the graph's pool as the break began), the arguments'
     addresses are recorded for the checks at replay."""
-    has_arguments = bool(args or kwargs)
-    arg_leaves, arg_spec = trees.flatten((args, kwargs), objects=False) if has_arguments else ([], None)
+    arg_leaves, replay_args, replay_kwargs = _aliased_arguments(args, kwargs)
     if result is None:
         kept, write = None, make_writer(name, None, None)
+    elif type(result) is torch.Tensor:  # the common case, without taking it apart: one tensor
+        _guard_tensor(name, result, "out", arg_leaves)
+        kept = alias_tensor(result) if result.is_cuda else result
+        write = make_writer(name, kept)
     else:
         flat = trees.take_apart(result, objects=True)
         guard_backward(name, flat, arg_leaves)
         kept, kept_flat = alias_result(result, flat)
         write = make_writer(name, kept, kept_flat)
-    replay_args, replay_kwargs = trees.unflatten(arg_spec, alias_leaves(arg_leaves)) if has_arguments else ((), {})
     return EagerSegment(
         index,
         name,
@@ -82,6 +84,20 @@ def record_break(
         write,
         argument_addresses(function, args, kwargs, pool_usage) if pool_usage is not None else (),
     )
+
+
+def _aliased_arguments(args: tuple, kwargs: dict) -> tuple[list, tuple, dict]:
+    """The arguments' leaves, and the arguments with aliases for their tensors. Arguments that
+    are all leaves (tensors, objects) are aliased one by one, without taking them apart."""
+    if not args and not kwargs:
+        return [], (), {}
+    if all(map(trees.is_leaf, args)) and all(map(trees.is_leaf, kwargs.values())):
+        replay_args = tuple(alias_leaves(args))
+        replay_kwargs = dict(zip(kwargs, alias_leaves(kwargs.values()))) if kwargs else {}
+        return [*args, *kwargs.values()], replay_args, replay_kwargs
+    leaves, spec = trees.flatten((args, kwargs), objects=False)
+    replay_args, replay_kwargs = trees.unflatten(spec, alias_leaves(leaves))
+    return leaves, replay_args, replay_kwargs
 
 
 def with_capture_autocast(function: Callable) -> Callable:
@@ -106,14 +122,14 @@ def guard_backward(name: str, result: trees.Flat, argument_leaves: list) -> None
     replay does not refresh, so it fails there with the fix. Inputs passed
     straight through are not the break's history.
     """
-    inputs = None
-    for path, tensor in result.tensors_with_paths("out"):
-        if tensor.grad_fn is None:
-            continue
-        if inputs is None:
-            inputs = {id(leaf) for leaf in argument_leaves}
-        if id(tensor) not in inputs:
-            tensor.register_hook(_refuse_backward(name, path))
+    for index, leaf in enumerate(result.leaves):
+        if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None:
+            _guard_tensor(name, leaf, result.path(index, "out"), argument_leaves)
+
+
+def _guard_tensor(name: str, tensor: torch.Tensor, path: str, argument_leaves: list) -> None:
+    if tensor.grad_fn is not None and not any(tensor is leaf for leaf in argument_leaves):
+        tensor.register_hook(_refuse_backward(name, path))
 
 
 def _refuse_backward(name: str, path: str) -> Callable:

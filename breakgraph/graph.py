@@ -166,6 +166,8 @@ class BreakableCUDAGraph:
         engine syncing its weight offloader, or timing steps). None removes a hook; a hook
         that is not set costs replay nothing: it is not in the replay plan."""
         check_replay_hooks(before, after)
+        if before is self._before_replay and after is self._after_replay:
+            return  # the plan has them already
         self._before_replay, self._after_replay = before, after
         if self._plan is not None:
             self._build_plan()

@@ -86,6 +86,11 @@ def _options(objects: bool) -> dict:
     return {"none_is_leaf": True}
 
 
+def is_leaf(value: Any) -> bool:
+    """Whether the containers policy keeps ``value`` whole (a tensor, an object, None)."""
+    return optree.tree_is_leaf(value, none_is_leaf=True)
+
+
 def flatten(tree: Any, *, objects: bool) -> tuple[list, TreeSpec]:
     """Leaves in a fixed order, and the structure to rebuild or compare them with."""
     return optree.tree_flatten(tree, **_options(objects))
