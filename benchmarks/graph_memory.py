@@ -156,13 +156,13 @@ def measure_model(name: str, config: DecoderConfig, sizes: list[int]) -> tuple[l
     worst_shared = check_sizes(inputs, runner_replay(inputs, shared), sizes)
     shared_memory = shared.memory()
     refusals = [refusal for refused in shared.refusals.values() for refusal in refused]
-    reasons = sorted({refusal.reason for refusal in refusals})
+    reasons = sorted({reason for refusal in refusals for reason in refusal.reason.split(", ")})
     segments = sum(1 for segment in shared.graphs[(None, large)].segments if segment.kind == "graph")
     graph_segments = [s for graph in shared.graphs.values() for s in graph.segments if s.kind == "graph"]
     executables = sum(1 for s in graph_segments if s.executable is not None)
     row("share_executables=True", shared_memory["pool_bytes"], shared_memory["executable_bytes"],
         shared_memory["total_bytes"], shared_capture_s,
-        f"{executables} executables for {len(graph_segments)} graph segments; {len(refusals)} updates refused "
+        f"{executables} executables for {len(graph_segments)} graph segments; {len(refusals)} segments refused "
         f"{reasons}; cudaMemGetInfo around the capture {shared_taken / MIB:.1f} MiB; max abs diff {worst_shared:.3g}")
     timings = time_variants(
         {

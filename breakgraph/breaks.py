@@ -58,7 +58,8 @@ def record_break(
     index: int, name: str, function: Callable, args: tuple, kwargs: dict, result, pool_usage: PoolUsage | None
 ) -> EagerSegment:
     """The eager segment that replays ``function(*args, **kwargs)``, which returned ``result`` at
-    capture: arguments and result kept as non-owning aliases where they are CUDA tensors, and
+    capture: arguments kept as non-owning aliases where they are plain tensors, the result
+    where it is only CUDA tensors, and
     the writer that puts each replay's result where later segments read it. With
     ``pool_usage`` (debug mode: the graph's pool as the break began), the arguments'
     addresses are recorded for the checks at replay."""

@@ -39,7 +39,7 @@ class BreakableCUDAGraphCapture:
     and once when the capture ends: tensor-parallel ranks stay in step at
     every break during capture. ``measure_memory=True`` measures the device
     memory each segment's executable takes (``graph.executable_bytes``; about
-    10 µs per segment, so off unless asked; :class:`GraphRunner` always measures).
+    10 µs per segment, so off unless asked, here as in ``GraphRunner``).
 
     Any exception inside the block ends the CUDA capture, discards what was
     captured, restores the stream, pool routing and hooks, and propagates.

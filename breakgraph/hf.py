@@ -243,8 +243,9 @@ class Generator:
     segments, reading each row's length on the host) or "full" (one graph
     per size, attention over the whole cache under a device mask).
     ``runner`` is the :class:`~breakgraph.GraphRunner` (``report()``,
-    ``memory()``, ``release()``); graphs are captured on the first
-    :meth:`generate`, or by :meth:`capture`.
+    ``memory()``, ``release()``; ``measure_memory=True`` has it measure its
+    executables' memory); graphs are captured on the first :meth:`generate`,
+    or by :meth:`capture`.
     """
 
     def __init__(
@@ -257,6 +258,7 @@ class Generator:
         capture_sizes: Sequence[int] | None = None,
         progress: bool = True,
         debug: bool | None = None,
+        measure_memory: bool = False,
     ):
         if not getattr(model, "_supports_attention_backend", False):
             raise ValueError(
@@ -276,7 +278,9 @@ class Generator:
             "input_ids": torch.zeros(max_batch_size, 1, dtype=torch.long, device=self.device),
             "positions": torch.zeros(max_batch_size, dtype=torch.long, device=self.device),
         }
-        self.runner = bg.GraphRunner(self._decode_step, static, capture_sizes, modes=mode, progress=progress, debug=debug)
+        self.runner = bg.GraphRunner(
+            self._decode_step, static, capture_sizes, modes=mode, progress=progress, debug=debug, measure_memory=measure_memory
+        )
         self._captured = False
 
     def _require_breakgraph_attention(self) -> None:

@@ -24,9 +24,10 @@ from breakgraph.segments import GraphSegment, SharedExecutable
 
 @dataclass(frozen=True)
 class Refusal:
-    """A segment that no executable of its topology would take, so it keeps its own:
-    ``graph`` (its position in the list given to :func:`share_executables`), the
-    segment's index, and why (CUDA's update results, each once)."""
+    """A segment that keeps its own executable: ``graph`` (its position in the list given
+    to :func:`share_executables`), the segment's index, and why: CUDA's update results
+    (each once) where every executable of its topology refused it, or "different
+    segments and breaks" where its graph's structure differs from the first graph's."""
 
     graph: int
     segment: int

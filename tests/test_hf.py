@@ -51,6 +51,11 @@ def test_importing_registers_the_attention_implementation(model):
     assert model.config._attn_implementation == "breakgraph"
 
 
+def test_the_generator_s_runner_measures_executables_only_when_asked(model):
+    assert not generator(model).runner.options.measure_memory
+    assert generator(model, measure_memory=True).runner.options.measure_memory
+
+
 def test_without_a_generator_it_is_transformers_sdpa_masks_included(model):
     ids = torch.randint(0, 300, (3, 9))
     mask = torch.ones_like(ids)

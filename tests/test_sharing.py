@@ -11,15 +11,16 @@ _UPDATE_FAILURE = int(cudart.cudaError_t.cudaErrorGraphExecUpdateFailure)
 
 
 class _Executable:
-    """Takes any captured graph's parameters but those of ``refuses``."""
+    """Takes any captured graph's parameters but those of ``refuses``, for ``reason``."""
 
-    def __init__(self, refuses=()):
+    def __init__(self, refuses=(), reason="ErrorTopologyChanged"):
         self.refuses = set(refuses)
+        self.reason = reason
         self.destroyed = False
 
     def update(self, graph) -> None:
         if graph in self.refuses:
-            raise bindings.GraphUpdateRefused(_UPDATE_FAILURE, "cudaGraphExecUpdate", "", "ErrorTopologyChanged")
+            raise bindings.GraphUpdateRefused(_UPDATE_FAILURE, "cudaGraphExecUpdate", "", self.reason)
 
     def destroy(self) -> None:
         self.destroyed = True
@@ -59,3 +60,14 @@ def test_another_topology_is_not_a_refusal_and_each_reason_is_said_once():
     assert refusals == [Refusal(2, 0, "ErrorTopologyChanged"), Refusal(3, 0, "ErrorTopologyChanged")]
     assert second.segments[0].executable is not None and second.segments[0].shared is None
     assert all(graph.segments[0].executable is not None for graph in (first, third, fourth))
+
+
+def test_a_segment_every_executable_refuses_for_different_reasons_gets_each_reason():
+    first = _Graph("a", _Executable(refuses={"b", "c"}))
+    second = _Graph("b", _Executable(refuses={"c"}, reason="ErrorFunctionChanged"))
+    third = _Graph("c", _Executable())
+    refusals = bg.share_executables([first, second, third])
+    assert refusals == [
+        Refusal(1, 0, "ErrorTopologyChanged"),
+        Refusal(2, 0, "ErrorTopologyChanged, ErrorFunctionChanged"),
+    ]
