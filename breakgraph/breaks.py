@@ -59,10 +59,9 @@ def record_break(
 ) -> EagerSegment:
     """The eager segment that replays ``function(*args, **kwargs)``, which returned ``result`` at
     capture: arguments kept as non-owning aliases where they are plain tensors, the result
-    where it is only CUDA tensors, and
-    the writer that puts each replay's result where later segments read it. With
-    ``pool_usage`` (debug mode: the graph's pool as the break began), the arguments'
-    addresses are recorded for the checks at replay."""
+    where it is only CUDA tensors, and the writer that puts each replay's result where later
+    segments read it. With ``pool_usage`` (debug mode: the graph's pool as the break began),
+    the arguments' addresses are recorded for the checks at replay."""
     arg_leaves, replay_args, replay_kwargs = _aliased_arguments(args, kwargs)
     if result is None:
         kept, write = None, make_writer(name, None, None)
@@ -94,7 +93,7 @@ def _aliased_arguments(args: tuple, kwargs: dict) -> tuple[list, tuple, dict]:
         return [], (), {}
     if all(map(trees.is_leaf, args)) and all(map(trees.is_leaf, kwargs.values())):
         replay_args = tuple(alias_leaves(args))
-        replay_kwargs = dict(zip(kwargs, alias_leaves(kwargs.values()))) if kwargs else {}
+        replay_kwargs = dict(zip(kwargs, alias_leaves(kwargs.values())))
         return [*args, *kwargs.values()], replay_args, replay_kwargs
     leaves, spec = trees.flatten((args, kwargs), objects=False)
     replay_args, replay_kwargs = trees.unflatten(spec, alias_leaves(leaves))

@@ -430,10 +430,10 @@ class GraphRunner:
                 columns = ["key", "mode", "size", "graphs", "eager_breaks", "capture_ms", "warmed_up", "executable_kib"]
                 columns += ["shared_segments"] if self.share_executables else []
                 print(format_table(rows, columns + (["first_use_ms"] if self._first_use_seconds else [])))
-                executables = memory["executable_bytes"]
+                held = memory["executable_bytes"]
                 executables = (
-                    f"executables {executables / 2**20:.1f} MiB"
-                    if executables is not None
+                    f"executables {held / 2**20:.1f} MiB"
+                    if held is not None
                     else "executables not measured (GraphRunner(measure_memory=True) measures them)"
                 )
                 print(f"{len(rows)} graphs captured, pool holds {memory['pool_bytes'] / 2**20:.1f} MiB, {executables}")
