@@ -65,21 +65,21 @@ class BreakableCUDAGraphCapture:
 
     def __enter__(self) -> BreakableCUDAGraph:
         runtime.require_capture("a `with BreakableCUDAGraphCapture(...)` block")
-        caller_stream = torch.cuda.current_stream()
+        caller_stream = torch.cuda.current_stream(torch.cuda.current_device())
         with contextlib.ExitStack() as scope:
             # Held from before the stream is first touched: another capture's stream is refused.
             stream = scope.enter_context(runtime.claim_capture_stream(caller_stream.device, self.stream))
             # No host sync: the capture stream only has to follow the caller's work on the
             # GPU, so an engine's warm-up step can still run while its capture is recorded.
             stream.wait_stream(caller_stream)
-            scope.enter_context(torch.cuda.stream(stream))
-            self.graph.capture_begin(**self.options.arguments())
-            self._caller_stream, self._scope = caller_stream, scope.pop_all()
+            scope.enter_context(runtime.on_stream(stream))
+            self.graph._begin(self.options, stream)
+            self._caller_stream, self._capture_stream, self._scope = caller_stream, stream, scope.pop_all()
         return self.graph
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         scope, self._scope = self._scope, None
-        capture_stream = torch.cuda.current_stream()
+        capture_stream = self._capture_stream
         try:
             if exc_type is None:
                 self.graph.capture_end()

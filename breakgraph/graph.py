@@ -11,6 +11,8 @@ afterwards is a tuple of segments and the replay plan built from them.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 import breakgraph_bindings as bindings
@@ -120,6 +122,10 @@ class BreakableCUDAGraph:
         """
         options = CaptureOptions.parse(capture_error_mode, random_ops, generators, breaks, barrier_fn, measure_memory)
         runtime.require_capture("BreakableCUDAGraph.capture_begin")
+        self._begin(options, torch.cuda.current_stream(torch.cuda.current_device()))
+
+    def _begin(self, options: CaptureOptions, stream: torch.cuda.Stream) -> None:
+        """:meth:`capture_begin` with checked options, on ``stream`` (the current stream)."""
         if context.current() is not None:
             raise RuntimeError(
                 "nested breakable CUDA graph captures are not supported: this thread is already capturing. "
@@ -127,8 +133,7 @@ class BreakableCUDAGraph:
             )
         if self.captured or self._recorder is not None:
             raise RuntimeError("this BreakableCUDAGraph already holds a capture; call graph.reset() before capturing again")
-        stream = torch.cuda.current_stream()
-        if stream.cuda_stream == 0 or stream == torch.cuda.default_stream(stream.device):
+        if stream.cuda_stream in (0, _default_stream_handle(stream.device_index)):
             raise ValueError(
                 "cannot capture on the default CUDA stream; make a torch.cuda.Stream() current, or use "
                 "BreakableCUDAGraphCapture, which captures on breakgraph's side stream"
@@ -270,6 +275,11 @@ def check_replay_hooks(before, after) -> None:
     for name, hook in (("before", before), ("after", after)):
         if hook is not None and not callable(hook):
             raise TypeError(f"replay hook {name!r} must be callable or None, got {type(hook).__name__}")
+
+
+@functools.cache
+def _default_stream_handle(device_index: int) -> int:
+    return torch.cuda.default_stream(device_index).cuda_stream
 
 
 def _hook(hook):

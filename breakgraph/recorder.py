@@ -122,7 +122,8 @@ class Recorder:
         name = name or _function_name(function)
         if self.inline:
             return self._run_inline(name, function, inline, args, kwargs)
-        self.end_segment(following=f"{name}()")
+        call = f"{name}()"
+        self.end_segment(following=call)
         if self.barrier is not None:
             self.barrier()
         before = None
@@ -135,7 +136,7 @@ class Recorder:
         else:
             result = (stub or function)(*args, **kwargs)
         self.segments.append(record_break(len(self.segments), name, function, args, kwargs, result, before))
-        self._previous = f"{name}()"
+        self._previous = call
         self.begin_segment()
         return result
 

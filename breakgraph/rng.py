@@ -42,6 +42,7 @@ import torch
 
 import breakgraph_bindings as bindings
 from breakgraph_bindings import CaptureMode
+from breakgraph import runtime
 
 
 def armable(torch_version: str, graph_has_register_generator_state: bool) -> bool:
@@ -119,7 +120,7 @@ class ArmedGenerators:
             self._plain = [gen.clone_state() for gen in self.generators]
             # keep_graph: ending the keeper instantiates nothing; only a keeper that is
             # replayed (its capture drew random numbers) instantiates, at its first replay.
-            with torch.cuda.stream(stream):
+            with runtime.on_stream(stream):
                 self._keeper = torch.cuda.CUDAGraph(keep_graph=True)
                 for gen in self.generators[1:]:
                     self._keeper.register_generator_state(gen)
@@ -178,7 +179,7 @@ class ArmedGenerators:
         try:
             bindings.begin_capture(self._stream, CaptureMode.RELAXED)  # for the keeper to end
             began = True
-            with warnings.catch_warnings(), torch.cuda.stream(self._stream):
+            with warnings.catch_warnings(), runtime.on_stream(self._stream):
                 warnings.simplefilter("ignore")  # "The CUDA Graph is empty": it is meant to be
                 keeper.capture_end()
         except BaseException:

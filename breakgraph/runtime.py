@@ -170,13 +170,32 @@ def _held_by_another_thread(stream: torch.cuda.Stream) -> bool:
     return _claims.get(stream.cuda_stream, (threading.get_ident(),))[0] != threading.get_ident()
 
 
+@contextlib.contextmanager
+def on_stream(stream: torch.cuda.Stream):
+    """``with torch.cuda.stream(stream)`` at a fifth of its cost, for the paths every
+    capture takes: ``stream`` becomes current on its device, which becomes the current
+    device, and on exit both are what they were."""
+    device = torch.cuda.current_device()
+    index = stream.device_index
+    previous = [torch._C._cuda_getCurrentStream(index)]  # (stream id, device index, device type)
+    if device != index:
+        previous.append(torch._C._cuda_getCurrentStream(device))  # restored last: it makes `device` current
+    torch._C._cuda_setStream(stream_id=stream.stream_id, device_index=index, device_type=stream.device_type)
+    try:
+        yield stream
+    finally:
+        for stream_id, device_index, device_type in previous:
+            torch._C._cuda_setStream(stream_id=stream_id, device_index=device_index, device_type=device_type)
+
+
 def run_on_stream(stream: torch.cuda.Stream, function: Callable[[], T]) -> T:
     """``function()`` with ``stream`` current, ordered after the current stream's queued
     work and before its later work (a side stream's fork and join)."""
-    stream.wait_stream(torch.cuda.current_stream(stream.device))
-    with torch.cuda.stream(stream):
+    caller = torch.cuda.current_stream(stream.device_index)
+    stream.wait_stream(caller)
+    with on_stream(stream):
         result = function()
-    torch.cuda.current_stream(stream.device).wait_stream(stream)
+    caller.wait_stream(stream)
     return result
 
 

@@ -10,7 +10,7 @@ import torch
 import breakgraph_bindings as bindings
 import breakgraph as bg
 from breakgraph.pool import PoolUsage
-from breakgraph.runtime import claim_capture_stream, run_on_stream
+from breakgraph.runtime import claim_capture_stream, on_stream, run_on_stream
 from tests.helpers import assert_close, check_against_eager, poison_
 
 pytestmark = pytest.mark.gpu
@@ -296,6 +296,28 @@ def test_default_stream_refused():
         with bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph(), stream=torch.cuda.default_stream()):
             pass
     assert not bg.is_capturing()
+
+
+def test_capture_begin_on_the_default_stream_refused():
+    graph = bg.BreakableCUDAGraph()
+    with torch.cuda.stream(torch.cuda.default_stream()):
+        with pytest.raises(ValueError, match="default CUDA stream"):
+            graph.capture_begin()
+    assert not bg.is_capturing() and not graph.captured
+
+
+def test_on_stream_sets_and_restores_the_current_stream_as_torch_does():
+    caller, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    with on_stream(side) as current:
+        assert current is side and torch.cuda.current_stream() == side
+        with on_stream(caller):
+            assert torch.cuda.current_stream() == caller
+        assert torch.cuda.current_stream() == side
+    assert torch.cuda.current_stream() == caller
+    with pytest.raises(Boom):
+        with on_stream(side):
+            raise Boom("inside")
+    assert torch.cuda.current_stream() == caller and torch.cuda.current_device() == side.device_index
 
 
 def test_capture_error_modes():
