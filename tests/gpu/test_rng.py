@@ -256,6 +256,25 @@ def test_region_without_random_ops_has_no_refill_step():
     assert not graph.draws_random_numbers
 
 
+def test_arming_allocates_nothing_once_the_generator_state_exists():
+    """The generator's seed and offset tensors outlive each capture's keeper (torch frees them
+    when no graph is registered): a capture that draws nothing allocates no tensor."""
+
+    def capture():
+        graph = bg.BreakableCUDAGraph()
+        with bg.BreakableCUDAGraphCapture(graph):
+            x.add_(1)
+        return graph
+
+    x = torch.zeros(8, device=DEV)
+    capture()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    capture()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
+
+
 def test_random_ops_break_mode_makes_each_random_op_a_break():
     x = torch.ones(N, device=DEV)
     graph, (noise, dropped) = capture(lambda t: (torch.randn(N, device=DEV), F.dropout(t, 0.5, True)), x, random_ops="break")
