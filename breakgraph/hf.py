@@ -163,7 +163,7 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positi
     """Attention over each row's cached tokens, as many as ``lengths`` says on the host:
     ``(b, heads, q, d)`` queries, ``(b, kv_heads, max_length, d)`` caches, ``(b, q, heads, d)`` out.
     ``positions`` is not read here: the capturable variant reads lengths from it instead."""
-    batch, heads, length, dim = query.shape
+    batch, heads, length, _dim = query.shape
     kv_heads = keys.shape[1]
     ends = lengths.for_rows(batch)
     longest = max(ends)
@@ -175,18 +175,23 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positi
         visible = None
     else:
         visible = _visible(torch.tensor(ends, device=query.device), length, heads // kv_heads, longest)
-    out = F.scaled_dot_product_attention(_grouped(query, kv_heads), keys, values, attn_mask=visible, scale=scaling)
-    return out.reshape(batch, heads, length, dim).transpose(1, 2).contiguous()
+    return _grouped_attention(query, keys, values, visible, scaling)
 
 
 @attend.inline
 def attend_in_graph(query, keys, values, positions, lengths, scaling):
     """What full graphs record: every row's lengths from ``positions`` on the device, the whole
     cache attended under a mask."""
+    batch, heads, length, _dim = query.shape
+    visible = _visible(positions[:batch] + length, length, heads // keys.shape[1], keys.shape[2])
+    return _grouped_attention(query, keys, values, visible, scaling)
+
+
+def _grouped_attention(query, keys, values, visible: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    """``(b, heads, q, d)`` queries over ``(b, kv_heads, slots, d)`` caches where ``visible`` (from
+    :func:`_visible`; None: every slot) allows, as ``(b, q, heads, d)``."""
     batch, heads, length, dim = query.shape
-    kv_heads = keys.shape[1]
-    visible = _visible(positions[:batch] + length, length, heads // kv_heads, keys.shape[2])
-    out = F.scaled_dot_product_attention(_grouped(query, kv_heads), keys, values, attn_mask=visible, scale=scaling)
+    out = F.scaled_dot_product_attention(_grouped(query, keys.shape[1]), keys, values, attn_mask=visible, scale=scaling)
     return out.reshape(batch, heads, length, dim).transpose(1, 2).contiguous()
 
 

@@ -80,15 +80,18 @@ def _leaf_or_register(value) -> bool:
     return False
 
 
+_CONTAINERS = {"none_is_leaf": True}  # the containers policy's optree options
+
+
 def _options(objects: bool) -> dict:
     if objects:
         return {"is_leaf": _leaf_or_register, "none_is_leaf": True, "namespace": NAMESPACE}
-    return {"none_is_leaf": True}
+    return _CONTAINERS
 
 
 def is_leaf(value: Any) -> bool:
     """Whether the containers policy keeps ``value`` whole (a tensor, an object, None)."""
-    return optree.tree_is_leaf(value, none_is_leaf=True)
+    return optree.tree_is_leaf(value, **_CONTAINERS)
 
 
 def flatten(tree: Any, *, objects: bool) -> tuple[list, TreeSpec]:
