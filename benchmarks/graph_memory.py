@@ -156,7 +156,7 @@ def measure_model(name: str, config: DecoderConfig, sizes: list[int]) -> tuple[l
     worst_shared = check_sizes(inputs, runner_replay(inputs, shared), sizes)
     shared_memory = shared.memory()
     refusals = [refusal for refused in shared.refusals.values() for refusal in refused]
-    reasons = sorted({reason for refusal in refusals for reason in refusal.reason.split(", ")})
+    reasons = sorted({reason for refusal in refusals for reason in refusal.reasons})
     segments = sum(1 for segment in shared.graphs[(None, large)].segments if segment.kind == "graph")
     graph_segments = [s for graph in shared.graphs.values() for s in graph.segments if s.kind == "graph"]
     executables = sum(1 for s in graph_segments if s.executable is not None)

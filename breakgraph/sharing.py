@@ -25,13 +25,18 @@ from breakgraph.segments import GraphSegment, SharedExecutable
 @dataclass(frozen=True)
 class Refusal:
     """A segment that keeps its own executable: ``graph`` (its position in the list given
-    to :func:`share_executables`), the segment's index, and why: CUDA's update results
-    (each once) where every executable of its topology refused it, or "different
-    segments and breaks" where its graph's structure differs from the first graph's."""
+    to :func:`share_executables`), the segment's index, and why (``reasons``): CUDA's
+    update results (each once) where every executable of its topology refused it, or
+    "different segments and breaks" where its graph's structure differs from the first graph's."""
 
     graph: int
     segment: int
-    reason: str
+    reasons: tuple[str, ...]
+
+    @property
+    def reason(self) -> str:
+        """The reasons as one line."""
+        return ", ".join(self.reasons)
 
 
 def share_executables(graphs: Sequence[BreakableCUDAGraph]) -> list[Refusal]:
@@ -55,7 +60,7 @@ def share_executables(graphs: Sequence[BreakableCUDAGraph]) -> list[Refusal]:
             if segment.kind != "graph" or segment.executable is None:
                 continue  # an eager break, or a segment that launches another's executable already
             if not same_structure:
-                refusals.append(Refusal(position, segment.index, "different segments and breaks"))
+                refusals.append(Refusal(position, segment.index, ("different segments and breaks",)))
                 continue
             if segment.shared is None and _join(segment, groups[segment.index], refusals, position):
                 continue
@@ -81,5 +86,5 @@ def _join(segment: GraphSegment, group: list, refusals: list, position: int) -> 
         owner.shared = shared  # it keeps its executable, and launches through the shared one
         return True
     if reasons:
-        refusals.append(Refusal(position, segment.index, ", ".join(dict.fromkeys(reasons))))
+        refusals.append(Refusal(position, segment.index, tuple(dict.fromkeys(reasons))))
     return False

@@ -44,7 +44,7 @@ def test_a_segment_refused_by_one_executable_that_joins_another_is_not_refused()
     third = _Graph("c", _Executable())
     refusals = bg.share_executables([first, second, third])
     # b: the only executable of its topology refused it, so it keeps its own; c: refused by a's, taken by b's
-    assert refusals == [Refusal(1, 0, "ErrorTopologyChanged")]
+    assert refusals == [Refusal(1, 0, ("ErrorTopologyChanged",))]
     assert second.segments[0].executable is not None and second.segments[0].shared is not None
     assert third.segments[0].executable is None and third.segments[0].shared is second.segments[0].shared
     assert third.segments[0].shared.holds == "c"
@@ -57,7 +57,7 @@ def test_another_topology_is_not_a_refusal_and_each_reason_is_said_once():
     fourth = _Graph("d", _Executable(refuses={"c"}))
     refusals = bg.share_executables([first, second, fourth, third])
     # d: refused by a's; c: refused by a's and by d's, for the same reason, said once
-    assert refusals == [Refusal(2, 0, "ErrorTopologyChanged"), Refusal(3, 0, "ErrorTopologyChanged")]
+    assert refusals == [Refusal(2, 0, ("ErrorTopologyChanged",)), Refusal(3, 0, ("ErrorTopologyChanged",))]
     assert second.segments[0].executable is not None and second.segments[0].shared is None
     assert all(graph.segments[0].executable is not None for graph in (first, third, fourth))
 
@@ -68,6 +68,7 @@ def test_a_segment_every_executable_refuses_for_different_reasons_gets_each_reas
     third = _Graph("c", _Executable())
     refusals = bg.share_executables([first, second, third])
     assert refusals == [
-        Refusal(1, 0, "ErrorTopologyChanged"),
-        Refusal(2, 0, "ErrorTopologyChanged, ErrorFunctionChanged"),
+        Refusal(1, 0, ("ErrorTopologyChanged",)),
+        Refusal(2, 0, ("ErrorTopologyChanged", "ErrorFunctionChanged")),
     ]
+    assert refusals[1].reason == "ErrorTopologyChanged, ErrorFunctionChanged"
