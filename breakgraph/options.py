@@ -46,11 +46,13 @@ class CaptureOptions:
             raise ValueError(f"breaks must be 'eager' (breakable graphs) or 'inline' (full graphs), got {breaks!r}")
         if barrier_fn is not None and not callable(barrier_fn):
             raise TypeError(f"barrier_fn must be callable, got {type(barrier_fn).__name__}")
+        if not isinstance(measure_memory, bool):
+            raise TypeError(f"measure_memory must be True or False, got {measure_memory!r}")
         generators = tuple(generators or ())
         for gen in generators:
             if not isinstance(gen, torch.Generator) or gen.device.type != "cuda":
                 raise TypeError(f"generators must be CUDA torch.Generator objects, got {gen!r}")
-        return cls(CaptureMode.parse(capture_error_mode), random_ops, generators, breaks, barrier_fn, bool(measure_memory))
+        return cls(CaptureMode.parse(capture_error_mode), random_ops, generators, breaks, barrier_fn, measure_memory)
 
     def arguments(self) -> dict:
         """These options as keyword arguments of a capture."""

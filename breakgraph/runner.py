@@ -134,8 +134,6 @@ class GraphRunner:
         self.lazy = lazy
         self.progress = progress
         self.debug = runtime.debug_requested(debug)
-        if not isinstance(measure_memory, bool):
-            raise TypeError(f"measure_memory must be True or False, got {measure_memory!r}")
         self.options = CaptureOptions.parse(
             random_ops=random_ops, generators=generators, barrier_fn=barrier_fn, measure_memory=measure_memory
         )

@@ -57,3 +57,5 @@ def test_executable_memory_is_measured_only_when_asked():
     assert bg.GraphRunner(lambda x: x, torch.zeros(4, 2), measure_memory=True).options.measure_memory
     with pytest.raises(TypeError, match="measure_memory must be True or False"):
         bg.GraphRunner(lambda x: x, torch.zeros(4, 2), measure_memory="yes")
+    with pytest.raises(TypeError, match="measure_memory must be True or False"):  # "no" is not False
+        bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph(), measure_memory="no")
