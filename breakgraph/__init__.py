@@ -15,7 +15,8 @@ from breakgraph.debug import SegmentError
 from breakgraph.dispatch import UncapturableOpError
 from breakgraph.eager import break_graph, eager_on_graph
 from breakgraph.graph import BreakableCUDAGraph
-from breakgraph.graphed import GraphedCallable, graphed
+from breakgraph.graphed import FrozenOutputWarning, GraphedCallable, graphed
+from breakgraph.options import CaptureOptions, RunnerOptions
 from breakgraph.pool import pool_bytes
 from breakgraph.ranks import CaptureAgreement, PeerCaptureError, agreed_batch_size
 from breakgraph.runner import GraphRunner
@@ -29,11 +30,14 @@ __all__ = [
     "BreakableCUDAGraph",
     "BreakableCUDAGraphCapture",
     "CaptureAgreement",
+    "CaptureOptions",
     "CudaError",
+    "FrozenOutputWarning",
     "GraphRunner",
     "GraphedCallable",
     "LifetimeWarning",
     "PeerCaptureError",
+    "RunnerOptions",
     "SegmentError",
     "StreamJoinError",
     "UncapturableOpError",

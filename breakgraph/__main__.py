@@ -8,6 +8,21 @@ import sys
 COMMANDS = {"demo": "capture a small transformer whose attention is an eager break, check it against eager, time it"}
 
 
+def version_line() -> str:
+    """breakgraph's version and those of what it drives, for bug reports."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import breakgraph
+
+    try:
+        bindings = version("cuda-bindings")
+    except PackageNotFoundError:
+        bindings = "not installed"
+    import torch
+
+    return f"breakgraph {breakgraph.__version__} (torch {torch.__version__}, cuda-bindings {bindings})"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(
@@ -15,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         description="breakgraph: breakable CUDA graphs for PyTorch.",
         epilog="Run 'python -m breakgraph demo --help' for the demo's options.",
     )
+    parser.add_argument("--version", action="version", version=version_line(), help="print the versions and exit")
     commands = parser.add_subparsers(dest="command", metavar="command", title="commands")
     from breakgraph import demo
 

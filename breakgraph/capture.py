@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 
@@ -18,49 +19,44 @@ class BreakableCUDAGraphCapture:
     Graphable work becomes CUDA graph segments; ``@eager_on_graph`` functions
     and :func:`break_graph` end the current segment, run eagerly and are
     recorded for replay. Like ``torch.cuda.graph`` it captures on a side
-    stream (``stream``, or one kept per thread) that first waits on the
-    current stream's work; unlike it, it does not synchronize the device. The
-    default stream is refused. ``capture_error_mode`` is CUDA's capture mode:
-    "global", "thread_local" or "relaxed".
-
-    ``random_ops="graph"`` (default): random ops are captured into the
-    segments and draw fresh numbers at every replay, as under
-    ``torch.cuda.graph``; the device's default generator is armed, and so are
-    the CUDA ``torch.Generator``s in ``generators``. ``"break"``: every random
-    op becomes an eager break, through an op watch that costs a Python call
-    per op at capture (for torch versions whose generators cannot be armed).
-    ``"error"``: random ops fail the capture, and no generator is armed.
-
-    ``breaks="eager"`` (default) makes a breakable graph. ``breaks="inline"``
-    makes one full graph: each ``@eager_on_graph`` function records its
-    capturable variant (``inline=``) inside it, and a function without one
-    fails the capture with an error that says to use the breakable mode.
-    ``barrier_fn`` is called after a segment ends and before each break runs,
-    and once when the capture ends: tensor-parallel ranks stay in step at
-    every break during capture. ``measure_memory=True`` measures the device
-    memory each segment's executable takes (``graph.executable_bytes``; about
-    10 µs per segment, so off unless asked, here as in ``GraphRunner``).
+    stream that first waits on the current stream's work; unlike it, it does
+    not synchronize the device.
 
     Any exception inside the block ends the CUDA capture, discards what was
     captured, restores the stream, pool routing and hooks, and propagates.
+
+    Arguments:
+        graph (BreakableCUDAGraph): the graph to capture into.
+        stream (torch.cuda.Stream, optional): the capture stream. Default: one
+            kept per thread. The default stream is refused.
+        options (CaptureOptions, optional): how the capture treats random ops,
+            breaks and barriers. Default: ``CaptureOptions()``.
+        **capture_options: any field of :class:`~breakgraph.CaptureOptions` by
+            name (``capture_error_mode``, ``random_ops``, ``generators``,
+            ``breaks``, ``barrier_fn``, ``measure_memory``), set on top of
+            ``options``.
+
+    .. warning::
+        A device-wide ``torch.cuda.synchronize()`` in any thread while this
+        block captures invalidates the capture (CUDA's rule): synchronize
+        streams, not the device.
     """
 
     def __init__(
         self,
         graph: BreakableCUDAGraph,
         stream: torch.cuda.Stream | None = None,
-        capture_error_mode: str = "global",
-        random_ops: str = "graph",
-        generators=(),
-        breaks: str = "eager",
-        barrier_fn=None,
-        measure_memory: bool = False,
+        *,
+        options: CaptureOptions | None = None,
+        **capture_options: Any,
     ):
         if not isinstance(graph, BreakableCUDAGraph):
             raise TypeError(f"expected a BreakableCUDAGraph, got {type(graph).__name__}")
+        if stream is not None and not isinstance(stream, torch.cuda.Stream):
+            raise TypeError(f"stream must be a torch.cuda.Stream or None, got {type(stream).__name__}")
         self.graph = graph
         self.stream = stream
-        self.options = CaptureOptions.parse(capture_error_mode, random_ops, generators, breaks, barrier_fn, measure_memory)
+        self.options = CaptureOptions.build("BreakableCUDAGraphCapture", options, capture_options)
         self._scope: contextlib.ExitStack | None = None
 
     def __enter__(self) -> BreakableCUDAGraph:

@@ -6,6 +6,7 @@ import functools
 from typing import Callable, TypeVar, overload
 
 from breakgraph import context
+from breakgraph.checks import require_bool
 
 F = TypeVar("F", bound=Callable)
 
@@ -18,33 +19,43 @@ def eager_on_graph(
 ) -> Callable[[F], F]: ...
 
 
-def eager_on_graph(function=None, *, enable: bool = True, inline=None, capture_stub=None):
+def eager_on_graph(
+    function: Callable | None = None,
+    *,
+    enable: bool = True,
+    inline: Callable | bool | None = None,
+    capture_stub: Callable | None = None,
+):
     """Run ``function`` eagerly between CUDA graph segments.
 
     Inside a breakable capture a call ends the current segment, runs the
     function eagerly, records it, and begins a new segment; each replay
     calls it again with its capture-time argument tensors (same addresses)
     and writes its result into the capture-time result's buffers. Outside a
-    capture the function is called straight through.
+    capture the function is called straight through. Use it for what a CUDA
+    graph cannot hold: host syncs, data-dependent shapes, JIT kernels,
+    collectives, prints. Write ``@eager_on_graph`` or
+    ``@eager_on_graph(enable=flag, ...)``; ``@fn.inline`` registers a
+    capturable variant after the fact.
 
-    Use it for what a CUDA graph cannot hold: host syncs, data-dependent
-    shapes, JIT kernels, collectives, prints. ``enable=False`` returns the
-    function unchanged (a switch for A/B runs).
-
-    ``inline``: what a full-graph capture (``breaks="inline"``) records in
-    place of the break: a capturable variant with the same signature (say,
-    attention that reads its lengths from a device tensor), or True when the
-    function itself can be captured. The eager warm-up before a full-graph
-    capture (``graphed``, the runner) calls the variant too. Without one, a
-    full-graph capture refuses the break, since it cannot tell whether the
-    function reads host values that a graph would freeze. ``@fn.inline``
-    registers the variant after the fact.
-
-    ``capture_stub``: called instead of the function while a breakable
-    capture records it (a slow or collective body that capture need not
-    run); every replay calls the real function, and writeback checks that
-    its result has the stub's structure and shapes.
+    Arguments:
+        function (callable): the function to mark (given by the bare decorator).
+        enable (bool, optional): False returns the function unchanged, a switch
+            for A/B runs. Default: True.
+        inline (callable or True, optional): what a full-graph capture
+            (``breaks="inline"``) records in place of the break: a capturable
+            variant with the same signature (say, attention that reads its
+            lengths from a device tensor), or True when the function itself can
+            be captured. The eager warm-up before a full-graph capture calls the
+            variant too. Without one, a full-graph capture refuses the break,
+            since it cannot tell whether the function reads host values a graph
+            would freeze.
+        capture_stub (callable, optional): called instead of the function while
+            a breakable capture records it (a slow or collective body that
+            capture need not run); every replay calls the real function, and
+            writeback checks that its result has the stub's structure and shapes.
     """
+    require_bool("eager_on_graph(enable=...)", enable)
     if function is None:
         return functools.partial(eager_on_graph, enable=enable, inline=inline, capture_stub=capture_stub)
     if not callable(function):

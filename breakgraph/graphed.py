@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
+import numbers
 import warnings
 from typing import Any, Callable
 
@@ -15,11 +17,17 @@ import torch
 
 from breakgraph import context, runtime, trees
 from breakgraph.capture import BreakableCUDAGraphCapture
+from breakgraph.checks import near_miss
 from breakgraph.eager import eager_on_graph
 from breakgraph.graph import BreakableCUDAGraph
+from breakgraph.naming import function_name
 from breakgraph.options import CaptureOptions, parse_warmup
 from breakgraph.pool import require_pool
 from breakgraph.writeback import make_writer
+
+
+class FrozenOutputWarning(UserWarning):
+    """A captured function returned a Python number: replays return its capture-time value."""
 
 
 class GraphedCallable:
@@ -31,8 +39,17 @@ class GraphedCallable:
     ``BREAKGRAPH_DISABLE=1``, ``graph`` is None: ``fn`` runs once here and at
     every replay, and each result is written into that first output, so the
     contract is the same (one output object, refreshed in place).
-    ``options`` is how the capture treats random ops, breaks and barriers
-    (:class:`~breakgraph.options.CaptureOptions`, parsed where the user gave them).
+
+    Arguments:
+        fn (callable): the function to capture.
+        args (tuple): its static positional arguments.
+        kwargs (dict): its static keyword arguments.
+        options (CaptureOptions, optional): how the capture treats random ops,
+            breaks and barriers. Default: ``CaptureOptions()``.
+        debug (bool, optional): debug mode; None (default): ``BREAKGRAPH_DEBUG=1`` decides.
+        pool (torch.cuda.MemPool, optional): a pool to share. Default: the graph's own.
+        warmup (int, optional): eager runs before the capture. Default: 1.
+        warn (bool, optional): warn once when ``fn`` runs eagerly for want of a GPU. Default: True.
     """
 
     def __init__(
@@ -40,10 +57,10 @@ class GraphedCallable:
         fn: Callable,
         args: tuple,
         kwargs: dict,
-        options: CaptureOptions = CaptureOptions(),
+        options: CaptureOptions | None = None,
         *,
         debug: bool | None = None,
-        pool=None,
+        pool: torch.cuda.MemPool | None = None,
         warmup: int = 1,
         warn: bool = True,
     ):
@@ -54,7 +71,7 @@ class GraphedCallable:
             require_pool(pool)
         self.fn, self.args, self.kwargs = fn, args, kwargs
         self.debug = runtime.debug_requested(debug)
-        self.options = options
+        self.options = options or CaptureOptions()
         if self.debug:  # the whole function is one eager break, whatever the breaks mode
             self.options = dataclasses.replace(self.options, breaks="eager")
         self.output: Any = None
@@ -63,12 +80,13 @@ class GraphedCallable:
         reason = runtime.eager_fallback_reason()
         if reason is not None:
             if warn:
-                warnings.warn(f"breakgraph: {reason}; {_name(fn)} runs eagerly on every replay", stacklevel=3)
+                warnings.warn(f"breakgraph: {reason}; {function_name(fn)} runs eagerly on every replay", stacklevel=3)
             self.output = fn(*args, **kwargs)
-            self._write_eager_result = make_writer(_name(fn), self.output)
-            return
-        self.graph = BreakableCUDAGraph(pool=pool, debug=self.debug)
-        self._capture(warmup)
+            self._write_eager_result = make_writer(function_name(fn), self.output)
+        else:
+            self.graph = BreakableCUDAGraph(pool=pool, debug=self.debug)
+            self._capture(warmup)
+        warn_frozen_numbers(fn, self.output)
 
     def _capture(self, warmup: int) -> None:
         fn, args, kwargs = self.fn, self.args, self.kwargs
@@ -79,7 +97,7 @@ class GraphedCallable:
                     runtime.run_on_stream(stream, lambda: fn(*args, **kwargs))
             # Debug mode: the whole function is one eager break, replayed through the same path.
             target = eager_on_graph(fn) if self.debug else fn
-            with BreakableCUDAGraphCapture(self.graph, stream=stream, **self.options.arguments()):
+            with BreakableCUDAGraphCapture(self.graph, stream=stream, options=self.options):
                 self.output = target(*args, **kwargs)
 
     @property
@@ -87,7 +105,7 @@ class GraphedCallable:
         """True when this callable runs ``fn`` eagerly instead of replaying a graph."""
         return self.graph is None
 
-    def replay(self):
+    def replay(self) -> Any:
         """Re-run ``fn`` on the static arguments (a graph replay, or an eager call without a
         GPU) and return its output object, refreshed in place."""
         if self.graph is None:
@@ -96,19 +114,31 @@ class GraphedCallable:
             self.graph.replay()
         return self.output
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args, **kwargs) -> Any:
         """:meth:`replay`; it takes no inputs: the graph reads the static arguments it was captured on."""
         if args or kwargs:
             raise TypeError(
-                f"a graphed callable takes no arguments: it replays {_name(self.fn)} on the static arguments it "
+                f"a graphed callable takes no arguments: it replays {function_name(self.fn)} on the static arguments it "
                 "was captured with. Copy new values into those tensors in place (x.copy_(new)), then call "
                 "step() or step.replay(); for batches whose size changes, use bg.GraphRunner"
             )
         return self.replay()
 
 
-def _name(fn: Callable) -> str:
-    return getattr(fn, "__qualname__", None) or repr(fn)
+def warn_frozen_numbers(fn: Callable, output: Any) -> None:
+    """Say once per capture where ``output`` holds a Python number: a replay re-runs GPU work
+    only, so such a value is the capture's forever (with or without a GPU alike)."""
+    flat = trees.take_apart(output, objects=True)
+    for index, leaf in enumerate(flat.leaves):
+        if isinstance(leaf, numbers.Number):
+            warnings.warn(
+                f"breakgraph: {function_name(fn)}() returned the Python {type(leaf).__name__} {leaf!r} at "
+                f"{flat.path(index, 'output')}; every replay returns this capture-time value, since a replay "
+                "re-runs GPU work only. Return a tensor where the value must change.",
+                FrozenOutputWarning,
+                stacklevel=4,
+            )
+            return
 
 
 def _device_of(args: tuple, kwargs: dict) -> torch.device:
@@ -120,30 +150,74 @@ def _device_of(args: tuple, kwargs: dict) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+_GRAPHED_OWN = ("options", "debug", "pool", "warmup")
+
+
+def split_keywords(fn: Callable, keywords: dict) -> tuple[dict, dict]:
+    """``graphed``'s keyword arguments as (capture options, ``fn``'s static keyword arguments).
+
+    A name that ``fn`` does not declare and that is close to one of
+    breakgraph's options is refused as a likely misspelling, even where
+    ``fn`` takes ``**kwargs``: passed on, it would be swallowed silently.
+    """
+    known = CaptureOptions.names()
+    capture = {name: value for name, value in keywords.items() if name in known}
+    static = {name: value for name, value in keywords.items() if name not in known}
+    declared = _declared_parameters(fn)
+    for name in static:
+        guess = None if name in declared else near_miss(name, known + _GRAPHED_OWN)
+        if guess is not None:
+            raise TypeError(
+                f"graphed() got {name}=, which {function_name(fn)} does not declare and which looks like "
+                f"breakgraph's option {guess!r}. Spell the option {guess}=; if {name} is an argument of "
+                f"{function_name(fn)} itself, bind it first: graphed(functools.partial(fn, {name}=...), ...)"
+            )
+    return capture, static
+
+
+def _declared_parameters(fn: Callable) -> frozenset[str]:
+    """The names ``fn``'s signature spells out (not those a ``**kwargs`` would swallow)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: nothing is declared
+        return frozenset()
+    return frozenset(p.name for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+
+
 def graphed(
     fn: Callable,
-    *static_args,
+    *static_args: Any,
+    options: CaptureOptions | None = None,
     debug: bool | None = None,
-    pool=None,
+    pool: torch.cuda.MemPool | None = None,
     warmup: int = 1,
-    random_ops: str = "graph",
-    generators=(),
-    breaks: str = "eager",
-    barrier_fn=None,
-    **static_kwargs,
+    **keywords: Any,
 ) -> GraphedCallable:
     """Capture ``fn(*static_args, **static_kwargs)`` as a breakable graph.
 
-    ``fn`` first runs ``warmup`` times eagerly on the capture stream (lazy
-    library initialisation must not happen inside a capture; pass 0 if it has
-    side effects that must not repeat); before a full graph
-    (``breaks="inline"``) its breaks run their capturable variants, which the
-    graph records. ``debug`` (default ``BREAKGRAPH_DEBUG``)
-    makes the whole function one eager break replayed through the same code
-    path, with debug checks. ``random_ops``, ``generators``, ``breaks`` and
-    ``barrier_fn`` are as for :class:`BreakableCUDAGraphCapture`. Without a
-    GPU, or with ``BREAKGRAPH_DISABLE=1``, replay calls ``fn`` eagerly (one
-    warning).
+    Without a GPU, or with ``BREAKGRAPH_DISABLE=1``, replay calls ``fn``
+    eagerly (one warning). Replay returns the capture-time output, refreshed
+    in place; a Python number in it stays the capture's (a warning says so).
+
+    Arguments:
+        fn (callable): the function to capture.
+        *static_args: its static positional arguments (tensors keep their addresses).
+        options (CaptureOptions, optional): how the capture treats random ops,
+            breaks and barriers. Default: ``CaptureOptions()``.
+        debug (bool, optional): make the whole function one eager break replayed
+            through the same code path, with debug checks. None (default):
+            ``BREAKGRAPH_DEBUG=1`` decides.
+        pool (torch.cuda.MemPool, optional): a pool to share with other graphs.
+        warmup (int, optional): eager runs on the capture stream before the
+            capture, since lazy library initialisation must not happen inside
+            it (default 1; pass 0 if ``fn`` has side effects that must not
+            repeat). Before a full graph (``breaks="inline"``) breaks run their
+            capturable variants.
+        **keywords: the fields of :class:`~breakgraph.CaptureOptions` by name
+            (``random_ops``, ``breaks``, ...), set on top of ``options``; every
+            other name is a static keyword argument of ``fn``. A name close to
+            an option's that ``fn`` does not declare is refused as a misspelling.
     """
-    options = CaptureOptions.parse(random_ops=random_ops, generators=generators, breaks=breaks, barrier_fn=barrier_fn)
+    capture, static_kwargs = split_keywords(fn, keywords)
+    options = CaptureOptions.build("graphed", options, capture)
     return GraphedCallable(fn, static_args, static_kwargs, options, debug=debug, pool=pool, warmup=warmup)

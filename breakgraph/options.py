@@ -1,74 +1,180 @@
-"""What a capture is asked to do, checked once where the user says it."""
+"""What a capture and a runner are asked to do: checked once, where the user says it.
+
+Every entry point (the context manager, ``BreakableCUDAGraph.capture_begin``,
+``graphed``, ``GraphRunner``) builds one of these objects from what it was
+given and passes the object down; nothing below parses an option again. An
+option is checked the same way with and without a GPU.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Hashable, Mapping, TypeVar
 
 import torch
 
 from breakgraph_bindings import CaptureMode
+from breakgraph.checks import (
+    refuse_unknown,
+    require_bool,
+    require_callable,
+    require_choice,
+    require_number,
+    require_optional_bool,
+)
 
 RANDOM_OPS = ("graph", "break", "error")
 BREAKS = ("eager", "inline")
-
-
-@dataclass(frozen=True)
-class CaptureOptions:
-    """How a capture treats what it meets, checked once where the user gives it.
-
-    ``capture_error_mode``: CUDA's capture mode. ``random_ops``: "graph"
-    (captured into the segments), "break" (each random op an eager break,
-    through the op watch) or "error" (refused). ``generators``: CUDA
-    generators armed beside the device's default one. ``breaks``: "eager"
-    (breakable: every break splits the graph) or "inline" (one full graph:
-    every break records its capturable variant). ``barrier_fn``: called after
-    a segment ends and before each break runs, and once at the end.
-    ``measure_memory``: read ``cudaMemGetInfo`` around every segment's
-    instantiation (two calls of about 5 µs each per segment, so only when asked).
-    """
-
-    capture_error_mode: CaptureMode = CaptureMode.GLOBAL
-    random_ops: str = "graph"
-    generators: tuple = ()
-    breaks: str = "eager"
-    barrier_fn: Callable[[], Any] | None = None
-    measure_memory: bool = False
-
-    @classmethod
-    def parse(
-        cls, capture_error_mode="global", random_ops="graph", generators=(), breaks="eager", barrier_fn=None, measure_memory=False
-    ):
-        if random_ops not in RANDOM_OPS:
-            raise ValueError(f"random_ops must be 'graph', 'break' or 'error', got {random_ops!r}")
-        if breaks not in BREAKS:
-            raise ValueError(f"breaks must be 'eager' (breakable graphs) or 'inline' (full graphs), got {breaks!r}")
-        if barrier_fn is not None and not callable(barrier_fn):
-            raise TypeError(f"barrier_fn must be callable, got {type(barrier_fn).__name__}")
-        if not isinstance(measure_memory, bool):
-            raise TypeError(f"measure_memory must be True or False, got {measure_memory!r}")
-        generators = tuple(generators or ())
-        for gen in generators:
-            if not isinstance(gen, torch.Generator) or gen.device.type != "cuda":
-                raise TypeError(f"generators must be CUDA torch.Generator objects, got {gen!r}")
-        return cls(CaptureMode.parse(capture_error_mode), random_ops, generators, breaks, barrier_fn, measure_memory)
-
-    def arguments(self) -> dict:
-        """These options as keyword arguments of a capture."""
-        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
-
-
 MODES = ("breakable", "full", "none")
 """A runner key's graph mode: breaks eager between segments, breaks inline in one full graph, or no graphs."""
 
+O = TypeVar("O", bound="_CaptureChoices")
 
-def parse_modes(modes, keys: list) -> dict:
+
+@dataclass(frozen=True, kw_only=True)
+class _CaptureChoices:
+    """The choices a capture and a runner share; see :class:`CaptureOptions`."""
+
+    capture_error_mode: CaptureMode | str = "global"
+    random_ops: str = "graph"
+    generators: tuple[torch.Generator, ...] = ()
+    barrier_fn: Callable[[], Any] | None = None
+    measure_memory: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "capture_error_mode", CaptureMode.parse(self.capture_error_mode))
+        require_choice("random_ops", self.random_ops, RANDOM_OPS)
+        require_callable("barrier_fn", self.barrier_fn)
+        require_bool("measure_memory", self.measure_memory)
+        generators = self.generators
+        if isinstance(generators, torch.Generator) or not isinstance(generators, (tuple, list)):
+            raise TypeError(f"generators must be a tuple of CUDA torch.Generator objects, got {generators!r}")
+        for gen in generators:
+            if not isinstance(gen, torch.Generator) or gen.device.type != "cuda":
+                raise TypeError(f"generators must be CUDA torch.Generator objects, got {gen!r}")
+        object.__setattr__(self, "generators", tuple(generators))
+
+    @classmethod
+    def build(cls: type[O], owner: str, options: O | None, by_name: Mapping[str, Any]) -> O:
+        """``options`` (or the defaults) with ``by_name`` set on top; an unknown name is
+        refused, naming the closest option ``owner`` takes."""
+        if options is not None and not isinstance(options, cls):
+            raise TypeError(f"{owner}(options=...) takes a breakgraph.{cls.__name__}, got {type(options).__name__}")
+        refuse_unknown(owner, by_name, cls.names())
+        return dataclasses.replace(options or cls(), **by_name)
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(field.name for field in dataclasses.fields(cls))
+
+
+@dataclass(frozen=True, kw_only=True)
+class CaptureOptions(_CaptureChoices):
+    """How one capture treats what it meets.
+
+    Arguments:
+        capture_error_mode (str, optional): CUDA's capture mode, "global"
+            (default), "thread_local" or "relaxed", as for ``torch.cuda.graph``.
+        random_ops (str, optional): "graph" (default): random ops are
+            captured into the segments and draw fresh numbers at every replay;
+            "break": every random op becomes an eager break, through an op
+            watch that costs a Python call per op at capture; "error": random
+            ops fail the capture.
+        generators (tuple of torch.Generator, optional): CUDA generators to arm
+            beside the device's default one. Default: none.
+        breaks (str, optional): "eager" (default): every break splits the
+            graph; "inline": one full graph, each ``@eager_on_graph`` function
+            recording its capturable variant.
+        barrier_fn (callable, optional): called after a segment ends and before
+            each break runs, and once at the end, so tensor-parallel ranks stay
+            in step during capture. Default: None.
+        measure_memory (bool, optional): measure each segment executable's
+            device memory (``cudaMemGetInfo`` around its instantiation).
+            Default: False, since it costs start-up time.
+    """
+
+    breaks: str = "eager"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_choice("breaks", self.breaks, BREAKS)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunnerOptions(_CaptureChoices):
+    """How a :class:`~breakgraph.GraphRunner` captures, dispatches and serves.
+
+    A runner sets each key's ``breaks`` through ``modes``.
+
+    Arguments:
+        capture_error_mode, random_ops, generators, barrier_fn, measure_memory:
+            as for :class:`CaptureOptions`, for every size's capture.
+        pad_value (int or float, optional): what the rows between a live batch
+            and its captured size are filled with. Default: 0.
+        clone (bool, optional): return copies of the outputs rather than views of
+            static buffers that the next call overwrites. Default: False.
+        warmup ("auto" or int, optional): "auto" (default) runs ``fn`` eagerly
+            once per key, before its first capture, and again for a size whose
+            capture fails the way lazy initialisation fails; an int runs it that
+            many times before every size's capture.
+        lazy (bool, optional): capture each (key, size) the first time a batch
+            needs it rather than all up front. Default: False.
+        progress (bool, optional): show a progress bar while capturing. Default: True.
+        debug (bool, optional): debug mode; None (default): ``BREAKGRAPH_DEBUG=1`` decides.
+        modes (str or dict, optional): each key's graph mode, one for all keys or
+            a dict: "breakable" (default), "full" or "none".
+        before_replay, after_replay (callable, optional): called around every
+            replay (not around eager runs). Default: None.
+        on_capture_error (str, optional): "raise" (default) propagates a failed
+            capture; "eager" serves that size eagerly and logs why once.
+        share_executables (bool, optional): keep one executable per segment and
+            topology for all sizes of a key (``cudaGraphExecUpdate``), for less
+            device memory. Default: False.
+    """
+
+    pad_value: int | float = 0
+    clone: bool = False
+    warmup: int | str = "auto"
+    lazy: bool = False
+    progress: bool = True
+    debug: bool | None = None
+    modes: str | dict[Hashable, str] = "breakable"
+    before_replay: Callable[[], Any] | None = None
+    after_replay: Callable[[], Any] | None = None
+    on_capture_error: str = "raise"
+    share_executables: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_number("pad_value", self.pad_value)
+        for name in ("clone", "lazy", "progress", "share_executables"):
+            require_bool(name, getattr(self, name))
+        require_optional_bool("debug", self.debug, "BREAKGRAPH_DEBUG=1 decides")
+        parse_warmup(self.warmup, allow_auto=True)
+        if isinstance(self.modes, str):
+            require_choice("modes", self.modes, MODES)
+        elif not isinstance(self.modes, dict):
+            raise TypeError(f"modes must be one of {MODES} for every key, or a dict of key -> mode; got {self.modes!r}")
+        require_callable("before_replay", self.before_replay)
+        require_callable("after_replay", self.after_replay)
+        require_choice("on_capture_error", self.on_capture_error, ("raise", "eager"))
+
+    def capture(self, breaks: str, measure_memory: bool) -> CaptureOptions:
+        """The options of one size's capture.
+
+        Arguments:
+            breaks (str): "eager" or "inline", from the key's mode.
+            measure_memory (bool): whether this capture measures its executables.
+        """
+        shared = {name: getattr(self, name) for name in _CaptureChoices.names()}
+        return CaptureOptions(**{**shared, "breaks": breaks, "measure_memory": measure_memory})
+
+
+def parse_modes(modes: str | dict, keys: list) -> dict:
     """Each key's graph mode, from one mode for all or a dict with every key."""
     if isinstance(modes, str):
         modes = dict.fromkeys(keys, modes)
-    if not isinstance(modes, dict):
-        raise TypeError(f"modes must be one of {MODES} for every key, or a dict of key -> mode; got {modes!r}")
     if set(modes) != set(keys):
         declared = (
             "this runner has the one key None, since it was made without keys=: give one mode for all "
@@ -83,9 +189,8 @@ def parse_modes(modes, keys: list) -> dict:
     return dict(modes)
 
 
-def parse_warmup(warmup, allow_auto: bool) -> int | str:
-    """How many eager runs come before a capture: a whole number >= 0, or (for a runner)
-    "auto"."""
+def parse_warmup(warmup: Any, allow_auto: bool) -> int | str:
+    """How many eager runs come before a capture: a whole number >= 0, or (for a runner) "auto"."""
     if allow_auto and warmup == "auto":
         return warmup
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:

@@ -45,7 +45,16 @@ def share_executables(graphs: Sequence[BreakableCUDAGraph]) -> list[Refusal]:
     executables no longer needed and return the refusals (those segments keep their
     own). Graphs whose segments and breaks differ from the first graph's keep theirs.
     Call it again after capturing more graphs. Graphs that share must not be replayed
-    concurrently: a shared executable holds one graph's parameters at a time."""
+    concurrently: a shared executable holds one graph's parameters at a time.
+
+    Arguments:
+        graphs (list of BreakableCUDAGraph): captured graphs, their executables in place.
+    """
+    if isinstance(graphs, BreakableCUDAGraph) or not isinstance(graphs, (list, tuple)):
+        raise TypeError(f"share_executables takes a list of BreakableCUDAGraphs, got {type(graphs).__name__}")
+    for position, graph in enumerate(graphs):
+        if not isinstance(graph, BreakableCUDAGraph):
+            raise TypeError(f"share_executables takes a list of BreakableCUDAGraphs; item {position} is a {type(graph).__name__}")
     for graph in graphs:
         if not graph.captured or graph.released:
             raise RuntimeError("share_executables needs captured graphs with their executables (restore them first)")

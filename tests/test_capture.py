@@ -14,9 +14,9 @@ def test_bad_arguments_are_rejected_before_anything_starts():
         bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph(), capture_error_mode="strict")
     with pytest.raises(TypeError, match="BreakableCUDAGraph"):
         bg.BreakableCUDAGraphCapture(object())
-    with pytest.raises(ValueError, match="'break' or 'error'"):
+    with pytest.raises(ValueError, match="random_ops must be one of 'graph', 'break', 'error'"):
         bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph(), random_ops="ignore")
-    with pytest.raises(ValueError, match="'break' or 'error'"):
+    with pytest.raises(ValueError, match="random_ops must be one of 'graph', 'break', 'error'"):
         bg.GraphRunner(lambda x: x, torch.zeros(4, 2), random_ops="skip")
     with pytest.raises(TypeError, match="CUDA torch.Generator"):
         bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph(), generators=[torch.Generator()])

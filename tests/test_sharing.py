@@ -26,10 +26,10 @@ class _Executable:
         self.destroyed = True
 
 
-class _Graph:
-    """A captured breakable graph of one graph segment."""
+class _Graph(bg.BreakableCUDAGraph):
+    """A captured breakable graph of one graph segment (its state set here, not by a capture)."""
 
-    captured, released = True, False
+    captured, released, segments = True, False, ()
 
     def __init__(self, name: str, executable: _Executable, num_nodes: int = 3):
         self.segments = (GraphSegment(0, f"graph of {name}", name, executable, num_nodes),)
