@@ -27,6 +27,24 @@ class StaticInputs:
     def device(self) -> torch.device:
         return self.leaves[0].device
 
+    def refuse_meta(self) -> None:
+        """Refuse buffers on the meta device: they hold no data, with a GPU or without."""
+        for index, leaf in enumerate(self.leaves):
+            if leaf.is_meta:
+                raise ValueError(
+                    f"static input {index} is on the meta device, which holds no data: give the runner real "
+                    "tensors (CUDA tensors to capture)"
+                )
+
+    def require_cuda(self) -> None:
+        """Refuse to capture on buffers off the GPU: a graph replays only the CUDA work it captured."""
+        for index, leaf in enumerate(self.leaves):
+            if not leaf.is_cuda:
+                raise ValueError(
+                    f"static input {index} is on {leaf.device}, but a graph replays only CUDA work: give the runner "
+                    "CUDA tensors (x.cuda()) to capture"
+                )
+
     def arguments(self, inputs, extra: dict) -> tuple[tuple, dict]:
         """How ``fn`` is called on ``inputs`` (shaped like the buffers): a tensor or a
         tuple/list positionally, a dict by keyword, ``extra`` by keyword."""

@@ -51,8 +51,13 @@ def summary_rows(graph) -> list[dict]:
     ]
 
 
-def summary(graph, print_table: bool = True) -> str:
-    """A table of ``graph``'s segments: kind, name, nodes, side streams, bytes written back."""
+def summary(graph: "BreakableCUDAGraph | breakgraph.GraphedCallable", print_table: bool = True) -> str:
+    """A table of ``graph``'s segments: kind, name, nodes, side streams, bytes written back.
+
+    Arguments:
+        graph (BreakableCUDAGraph or graphed callable): a captured graph.
+        print_table (bool, optional): also print the table. Default: True.
+    """
     graph = captured_graph(graph, "summary")
     table = format_table(summary_rows(graph), ["index", "kind", "name", "nodes", "side_streams", "bytes_written"])
     footer = (
@@ -69,12 +74,15 @@ def summary(graph, print_table: bool = True) -> str:
 # -- DOT export ----------------------------------------------------------------------
 
 
-def to_dot(graph, directory, render: bool = True) -> list[Path]:
+def to_dot(graph: "BreakableCUDAGraph | breakgraph.GraphedCallable", directory: str | Path, render: bool = True) -> list[Path]:
     """Write ``segment_<i>.dot`` per graph segment (CUDA's own DOT export) and
-    ``overview.dot`` for the chain of segments and breaks.
+    ``overview.dot`` for the chain of segments and breaks; return the paths written.
 
-    With ``render`` and Graphviz's ``dot`` on the PATH, each file is also
-    rendered to SVG. Returns the paths written.
+    Arguments:
+        graph (BreakableCUDAGraph or graphed callable): a captured graph.
+        directory (str or Path): where the files go (made if missing).
+        render (bool, optional): also render each file to SVG where Graphviz's
+            ``dot`` is on the PATH. Default: True.
     """
     graph = captured_graph(graph, "to_dot")
     directory = Path(directory)
@@ -111,12 +119,17 @@ def to_dot(graph, directory, render: bool = True) -> list[Path]:
 # -- profiling ----------------------------------------------------------------------
 
 
-def profile(graph, iters: int = 20, warmup: int = 3) -> list[dict]:
-    """Time every segment of ``graph`` with CUDA events around it, over ``iters`` replays.
+def profile(graph: "BreakableCUDAGraph | breakgraph.GraphedCallable", iters: int = 20, warmup: int = 3) -> list[dict]:
+    """Time every segment of ``graph`` with CUDA events around it.
 
     Returns one row per segment with mean, p50 and p99 in microseconds and its
     share of the total. Eager breaks are timed on the GPU too: their time
     includes the GPU idling while the host runs the break.
+
+    Arguments:
+        graph (BreakableCUDAGraph or graphed callable): a captured graph.
+        iters (int, optional): timed replays. Default: 20.
+        warmup (int, optional): replays before timing. Default: 3.
     """
     graph = captured_graph(graph, "profile")
     segments = graph.segments
@@ -179,3 +192,42 @@ def plot_profile(rows: list[dict], path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def runner_row(key, mode: str, size: int, graph: BreakableCUDAGraph, capture_seconds: float, warmed_up: bool,
+               first_use_seconds: float | None) -> dict:
+    """One captured (key, size) of a GraphRunner, as a row of its report."""
+    return {
+        "key": "" if key is None else key,
+        "mode": mode,
+        "size": size,
+        "graphs": graph.num_graphs,
+        "eager_breaks": graph.num_eager_breaks,
+        "executable_kib": "" if graph.executable_bytes is None else round(graph.executable_bytes / 1024, 1),
+        "shared_segments": sum(1 for segment in graph.segments if segment.shared is not None),
+        "capture_ms": round(capture_seconds * 1000, 2),
+        "warmed_up": warmed_up,
+        "first_use_ms": "" if first_use_seconds is None else round(first_use_seconds * 1000, 2),
+    }
+
+
+def print_runner_report(report: dict, shared: bool) -> None:
+    """Print a GraphRunner's report: a row per captured size, the memory held, the sizes
+    served eagerly (``shared``: with a column for executables shared across sizes)."""
+    if report["eager_reason"] is not None:
+        print(f"GraphRunner: eager ({report['eager_reason']})")
+        return
+    rows = report["rows"]
+    columns = ["key", "mode", "size", "graphs", "eager_breaks", "capture_ms", "warmed_up", "executable_kib"]
+    columns += ["shared_segments"] if shared else []
+    columns += ["first_use_ms"] if any(row["first_use_ms"] != "" for row in rows) else []
+    print(format_table(rows, columns))
+    held = report["executable_bytes"]
+    executables = (
+        f"executables {held / 2**20:.1f} MiB"
+        if held is not None
+        else "executables not measured (GraphRunner(measure_memory=True) measures them)"
+    )
+    print(f"{len(rows)} graphs captured, pool holds {report['pool_bytes'] / 2**20:.1f} MiB, {executables}")
+    for row in report["failed"]:
+        print(f"size {row['size']} (key {row['key'] or None}) is served eagerly: its capture failed: {row['reason']}")

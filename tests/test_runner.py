@@ -80,7 +80,7 @@ def test_graph_pool_without_a_gpu_says_so():
 def test_runner_modes_are_checked():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with pytest.raises(ValueError, match="not one of"):
+        with pytest.raises(ValueError, match="modes must be one of 'breakable', 'full', 'none', got 'fast'"):
             bg.GraphRunner(lambda x: x, torch.zeros(4, 2), modes="fast")
         with pytest.raises(ValueError, match=r"modes gives keys \['a'\], but this runner's keys \(keys=\) are \['a', 'b'\]"):
             bg.GraphRunner(lambda x, key: x, torch.zeros(4, 2), keys=["a", "b"], key_fn=lambda x: ["a"], modes={"a": "full"})
@@ -98,7 +98,7 @@ def test_memory_planning_arguments_are_checked_and_need_a_gpu_where_they_touch_o
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         runner = bg.GraphRunner(lambda x: x, torch.zeros(4, 2), progress=False)
-    with pytest.raises(ValueError, match="while_released must be 'eager' or 'raise'"):
+    with pytest.raises(ValueError, match="while_released must be one of 'eager', 'raise', got 'sleep'"):
         runner.release(while_released="sleep")
     with pytest.raises(RuntimeError, match="not released"):
         runner.restore()

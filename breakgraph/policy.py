@@ -1,0 +1,114 @@
+"""How a runner captures one (key, size): warm-up, retry, lazy capture and the eager fallback."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Hashable
+
+import torch
+
+from breakgraph import runtime
+from breakgraph.batches import StaticInputs
+from breakgraph.dispatch import UncapturableOpError, is_capture_violation
+from breakgraph.graphed import GraphedCallable
+from breakgraph.options import RunnerOptions
+
+log = logging.getLogger("breakgraph.runner")
+
+KeySize = tuple[Hashable, int]
+
+
+class CapturePolicy:
+    """The captured graphs of a runner, and how each came to be.
+
+    ``warmup="auto"`` warms a key up once, at its first size, and captures
+    every other size directly; a size whose capture fails the way lazy
+    initialisation inside a capture fails is warmed up once and captured
+    again. An int warms up that many times before every size. With
+    ``on_capture_error="eager"`` a failed size is remembered and served
+    eagerly. ``arguments(inputs, key)`` says how ``fn`` is called.
+    """
+
+    def __init__(
+        self,
+        fn: Callable,
+        inputs: StaticInputs,
+        modes: dict[Hashable, str],
+        options: RunnerOptions,
+        arguments: Callable[[object, Hashable], tuple[tuple, dict]],
+    ):
+        self.fn, self.inputs, self.modes, self.options = fn, inputs, modes, options
+        self.arguments = arguments
+        self.debug = runtime.debug_requested(options.debug)
+        self.graphed: dict[KeySize, GraphedCallable] = {}
+        self.failed: dict[KeySize, str] = {}
+        self.capture_seconds: dict[KeySize, float] = {}
+        self.first_use_seconds: dict[KeySize, float] = {}
+        self.warmed_up: set[KeySize] = set()
+
+    def done(self, key: Hashable, size: int) -> bool:
+        """Whether (key, size) was captured, or its capture failed and it is served eagerly."""
+        return (key, size) in self.graphed or (key, size) in self.failed
+
+    def capture(self, key: Hashable, size: int, pool, measure: bool | None = None) -> GraphedCallable | None:
+        """Capture (key, size) into ``pool``, measuring its executables' memory if ``measure``
+        (default: the runner's ``measure_memory``). With ``on_capture_error="eager"`` a
+        failure is logged and remembered, and None returned: the size is served eagerly."""
+        started = time.perf_counter()
+        measure = self.options.measure_memory if measure is None else measure
+        try:
+            graphed = self._warm_up_and_capture(key, size, pool, measure)
+        except Exception as error:
+            if self.options.on_capture_error == "raise":
+                raise
+            self.failed[(key, size)] = f"{type(error).__name__}: {error}"
+            log.warning("capture of size %d (key %r) failed; serving it eagerly: %s", size, key, self.failed[(key, size)])
+            return None
+        self.graphed[(key, size)] = graphed
+        self.capture_seconds[(key, size)] = time.perf_counter() - started
+        return graphed
+
+    def capture_on_first_use(self, key: Hashable, size: int, pool, after: Callable[[], None]) -> GraphedCallable | None:
+        """Lazy capture: capture (key, size), call ``after()`` (sharing), replay once, and
+        remember how long the whole first use took."""
+        started = time.perf_counter()
+        graphed = self.capture(key, size, pool)
+        if graphed is not None:
+            after()
+            graphed.replay()
+            torch.cuda.current_stream().synchronize()
+            self.first_use_seconds[(key, size)] = time.perf_counter() - started
+        return graphed
+
+    def forget(self) -> None:
+        """Drop every graph (the runner releases its memory); failures are kept."""
+        self.graphed.clear()
+
+    def _warm_up_and_capture(self, key: Hashable, size: int, pool, measure: bool) -> GraphedCallable:
+        warmup = self.options.warmup
+        if warmup != "auto":
+            graphed = self._graphed_at(key, size, warmup, pool, measure)
+            if warmup:
+                self.warmed_up.add((key, size))
+            return graphed
+        first_of_key = not any(done == key for done, _size in self.graphed)
+        try:
+            graphed = self._graphed_at(key, size, 1 if first_of_key else 0, pool, measure)
+        except Exception as error:
+            if first_of_key or not (isinstance(error, UncapturableOpError) or is_capture_violation(error)):
+                raise
+            log.info("capture of size %d failed without warm-up (%s): warming up and capturing again", size, error)
+            graphed = self._graphed_at(key, size, 1, pool, measure)
+            first_of_key = True
+        if first_of_key:
+            self.warmed_up.add((key, size))
+        return graphed
+
+    def _graphed_at(self, key: Hashable, size: int, warmup: int, pool, measure: bool) -> GraphedCallable:
+        args, kwargs = self.arguments(self.inputs.views(size), key)
+        breaks = "inline" if self.modes[key] == "full" else "eager"
+        options = self.options.capture(breaks, measure)
+        graphed = GraphedCallable(self.fn, args, kwargs, options, debug=self.debug, pool=pool, warmup=warmup, warn=False)
+        graphed.graph.set_replay_hooks(self.options.before_replay, self.options.after_replay)
+        return graphed
