@@ -18,6 +18,7 @@ from .capture import (
     begin_capture,
     capture_info,
     capture_status,
+    discard_capture,
     end_capture,
     exchange_capture_mode,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "check",
     "clear_last_error",
     "device_count",
+    "discard_capture",
     "end_capture",
     "exchange_capture_mode",
     "free_device_memory",

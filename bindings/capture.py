@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from cuda.bindings import runtime as cudart
 
-from .errors import check
+from .errors import CudaError, check
 from .graph import Graph
 from .streams import stream_handle
 
@@ -66,6 +66,17 @@ def end_capture(stream) -> Graph:
     """
     graph = check(cudart.cudaStreamEndCapture(stream_handle(stream)), "cudaStreamEndCapture")
     return Graph(graph)
+
+
+def discard_capture(stream) -> None:
+    """End the capture open on ``stream``, if any, and destroy what it captured (after a
+    failure). An invalidated capture's error is swallowed: the stream has left capture
+    mode either way, and the error that caused the failure is the one to report."""
+    try:
+        if capture_status(stream) is not CaptureStatus.NONE:
+            end_capture(stream).destroy()
+    except CudaError:
+        pass
 
 
 def capture_status(stream) -> CaptureStatus:

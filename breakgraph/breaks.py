@@ -138,7 +138,7 @@ def _refuse_backward(name: str, path: str) -> Callable:
             f"backward reached {name}() -> {path}, the result of an eager break: its backward would "
             "read tensors saved at capture time, which replay does not refresh. Put the break inside a "
             "torch.autograd.Function whose forward and backward each call an @eager_on_graph function "
-            "(see the README, 'Training')."
+            "(see docs/training.md)."
         )
 
     return refuse

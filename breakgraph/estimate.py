@@ -7,8 +7,8 @@ it keeps (its outputs, the results of its breaks), which grows linearly with
 the batch size, and the executables the driver instantiates for its segments.
 So :func:`extrapolate` takes a few probed sizes (the largest among them) and
 fits both per-size costs with a least-squares line in the batch size, rather
-than scaling the first graph's whole cost by the number of sizes (which is
-how a peer's estimate came out 3x too high).
+than scaling the first graph's whole cost by the number of sizes, which
+overestimates several-fold (docs/memory.md).
 """
 
 from __future__ import annotations

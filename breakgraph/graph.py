@@ -12,6 +12,7 @@ afterwards is a tuple of segments and the replay plan built from them.
 from __future__ import annotations
 
 import functools
+from typing import Any, Callable
 
 import torch
 
@@ -27,17 +28,19 @@ from breakgraph.segments import Segment
 class BreakableCUDAGraph:
     """A captured region: CUDA graph segments and the eager breaks between them.
 
-    ``pool`` is a ``torch.cuda.MemPool`` to share with another graph (pass
-    ``other.pool``); by default the graph makes its own on first capture. The
-    pool lives as long as the graph, across :meth:`reset`. ``debug`` (default:
-    ``BREAKGRAPH_DEBUG``) makes replay check argument addresses and
-    synchronize after every segment, naming the one that failed.
+    Arguments:
+        pool (torch.cuda.MemPool, optional): a pool to share with another graph
+            (pass ``other.pool``). Default: the graph makes its own on first
+            capture. The pool lives as long as the graph, across :meth:`reset`.
+        debug (bool, optional): replay checks argument addresses and
+            synchronizes after every segment, naming the one that failed.
+            None (default): ``BREAKGRAPH_DEBUG=1`` decides.
     """
 
-    def __init__(self, pool=None, debug: bool | None = None):
+    def __init__(self, pool: "torch.cuda.MemPool | None" = None, debug: bool | None = None):
         if pool is not None:
             require_pool(pool)
-        self._pool = pool
+        self._pool = None if pool is None else runtime.OwnedPool(pool)
         self._plan: tuple | None = None
         self.debug = debug  # None: BREAKGRAPH_DEBUG decides
         self.check_finite = False
@@ -55,8 +58,8 @@ class BreakableCUDAGraph:
         """The ``torch.cuda.MemPool`` every segment allocates from."""
         if self._pool is None:
             runtime.require_cuda("BreakableCUDAGraph.pool (a torch.cuda.MemPool)")
-            self._pool = new_pool()
-        return self._pool
+            self._pool = runtime.OwnedPool(new_pool())
+        return self._pool.pool
 
     @property
     def segments(self) -> tuple[Segment, ...]:
@@ -105,22 +108,20 @@ class BreakableCUDAGraph:
         return self._refill_generators is not None
 
     # -- capture ------------------------------------------------------------------------
-    def capture_begin(
-        self,
-        capture_error_mode: str = "global",
-        random_ops: str = "graph",
-        generators=(),
-        breaks: str = "eager",
-        barrier_fn=None,
-        measure_memory: bool = False,
-    ) -> None:
+    def capture_begin(self, *, options: CaptureOptions | None = None, **capture_options: Any) -> None:
         """Begin capturing on the current stream, which must not be the default stream.
 
         Prefer :class:`~breakgraph.BreakableCUDAGraphCapture`, which picks a
         side stream and calls this and :meth:`capture_end` (or
-        :meth:`capture_abort`) for you; the arguments are as there.
+        :meth:`capture_abort`) for you.
+
+        Arguments:
+            options (CaptureOptions, optional): how the capture treats random ops,
+                breaks and barriers. Default: ``CaptureOptions()``.
+            **capture_options: any field of :class:`~breakgraph.CaptureOptions` by
+                name, set on top of ``options``.
         """
-        options = CaptureOptions.parse(capture_error_mode, random_ops, generators, breaks, barrier_fn, measure_memory)
+        options = CaptureOptions.build("BreakableCUDAGraph.capture_begin", options, capture_options)
         runtime.require_capture("BreakableCUDAGraph.capture_begin")
         self._begin(options, torch.cuda.current_stream(torch.cuda.current_device()))
 
@@ -166,10 +167,14 @@ class BreakableCUDAGraph:
             raise RuntimeError("this BreakableCUDAGraph is not capturing: call capture_begin() first")
         return self._recorder
 
-    def set_replay_hooks(self, before=None, after=None) -> None:
-        """Call ``before()`` ahead of every replay and ``after()`` once it is launched (an
-        engine syncing its weight offloader, or timing steps). None removes a hook; a hook
-        that is not set costs replay nothing: it is not in the replay plan."""
+    def set_replay_hooks(self, before: Callable[[], Any] | None = None, after: Callable[[], Any] | None = None) -> None:
+        """Call hooks around every replay (an engine syncing its weight offloader, or timing
+        steps). A hook that is not set costs replay nothing: it is not in the replay plan.
+
+        Arguments:
+            before (callable, optional): called ahead of every replay; None removes it.
+            after (callable, optional): called once the replay is launched; None removes it.
+        """
         check_replay_hooks(before, after)
         if before is self._before_replay and after is self._after_replay:
             return  # the plan has them already
@@ -216,7 +221,7 @@ class BreakableCUDAGraph:
         segment_steps = [segment.launcher() for segment in self._segments]
         if self.debug:
             segment_steps = debug_mode.checked(self._segments, segment_steps, lambda: self.check_finite)
-        steps = [_hook(self._before_replay), self._refill_generators, *segment_steps, _hook(self._after_replay)]
+        steps = [_hook(self._before_replay), _hook(self._refill_generators), *segment_steps, _hook(self._after_replay)]
         self._plan = tuple(step for step in steps if step is not None)
         self._first_segment = self._plan.index(segment_steps[0]) if segment_steps else 0
 
@@ -261,11 +266,6 @@ class BreakableCUDAGraph:
         if self._plan is not None:
             self._build_plan()
 
-    def __del__(self) -> None:
-        # The pool may be this graph's alone: never let it die inside another thread's capture.
-        if runtime is not None:  # runtime is None at interpreter exit
-            runtime.release_after_captures(self, "_pool")
-
     def __repr__(self) -> str:
         return f"BreakableCUDAGraph(num_graphs={self.num_graphs}, num_eager_breaks={self.num_eager_breaks})"
 
@@ -283,7 +283,8 @@ def _default_stream_handle(device_index: int) -> int:
 
 
 def _hook(hook):
-    """A replay hook as a plan step (``launch(stream)``), or None when there is none."""
+    """A call the replay makes beside its segments (a user's hook, the generators' refill)
+    as a plan step (``launch(stream)``), or None when there is none."""
     if hook is None:
         return None
 

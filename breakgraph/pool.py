@@ -73,9 +73,12 @@ class PoolUsage:
         return any(segment["address"] <= address < segment["address"] + segment["total_size"] for segment in self.segments)
 
 
-def pool_bytes(pool) -> int:
-    """Bytes of device memory ``pool`` holds (allocated or cached): a graph's or a
-    GraphRunner's ``.pool``, or any ``torch.cuda.MemPool``."""
+def pool_bytes(pool: "torch.cuda.MemPool") -> int:
+    """Bytes of device memory ``pool`` holds, allocated or cached.
+
+    Arguments:
+        pool (torch.cuda.MemPool): a graph's or a GraphRunner's ``.pool``, or any pool.
+    """
     return PoolUsage.of(pool).reserved_bytes
 
 

@@ -17,7 +17,7 @@ until it arrives or the process group's timeout ends the job.
 from __future__ import annotations
 
 from enum import IntEnum
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -75,9 +75,16 @@ class CaptureAgreement:
     waiting in that collective. A gloo ``group`` of its own
     (``dist.new_group(backend="gloo")``) keeps the exchanges apart from the
     model's NCCL collectives and working after a CUDA error.
+
+    Arguments:
+        group (torch.distributed.ProcessGroup, optional): the ranks that agree.
+            Default: the default group.
+        tag (int, optional): what every rank must agree on (e.g. the batch size).
+        discard (callable, optional): called on a rank whose own capture
+            succeeded when a peer's failed (e.g. ``graph.reset``).
     """
 
-    def __init__(self, group=None, tag: int | None = None, discard=None):
+    def __init__(self, group: "dist.ProcessGroup | None" = None, tag: int | None = None, discard: Callable[[], Any] | None = None):
         if discard is not None and not callable(discard):
             raise TypeError(f"discard must be callable (e.g. graph.reset), got {type(discard).__name__}")
         self.group = group
@@ -180,10 +187,15 @@ class CaptureAgreement:
         return reports
 
 
-def agreed_batch_size(n: int, group=None) -> int:
+def agreed_batch_size(n: int, group: "dist.ProcessGroup | None" = None) -> int:
     """The largest of every rank's batch size ``n``: pad to it, and every rank replays the
     same graph size (graphs with collectives inside must match across ranks), or every
-    rank runs eagerly. One ``all_reduce`` per call: a host sync."""
+    rank runs eagerly. One ``all_reduce`` per call: a host sync.
+
+    Arguments:
+        n (int): this rank's batch size.
+        group (torch.distributed.ProcessGroup, optional): the ranks. Default: the default group.
+    """
     if not isinstance(n, int) or n < 0:
         raise ValueError(f"n must be a batch size (an int >= 0), got {n!r}")
     size = torch.tensor([n], dtype=torch.int64, device=_device_for(group))

@@ -18,13 +18,13 @@ from typing import Any, Callable
 import torch
 
 import breakgraph_bindings as bindings
-from breakgraph_bindings import CudaError
 from breakgraph import context, rng, runtime, streams
 from breakgraph.breaks import record_break, warn_kept_allocations
 from breakgraph.dispatch import CaptureDispatchMode, UncapturableOpError, is_capture_violation
+from breakgraph.naming import function_name
 from breakgraph.options import CaptureOptions
 from breakgraph.pool import PoolUsage
-from breakgraph.segments import GraphSegment, Launcher, Segment, instantiate
+from breakgraph.segments import GraphSegment, Segment, instantiate
 
 _warned_uncooperative = False
 
@@ -48,12 +48,12 @@ def _warn_uncooperative() -> None:
 
 @dataclass(frozen=True)
 class Recording:
-    """What a finished capture hands its graph: the segments, the device, and the step that
+    """What a finished capture hands its graph: the segments, the device, and the call that
     refills the armed generators before each replay (None when no segment drew random numbers)."""
 
     segments: tuple[Segment, ...]
     device: torch.device
-    refill_generators: Launcher | None
+    refill_generators: Callable[[], None] | None
 
 
 class Recorder:
@@ -101,8 +101,7 @@ class Recorder:
     def _instantiated(self) -> list[Segment]:
         """The segments in replay order, numbered again: graphs that captured nothing are
         destroyed, the others instantiated. Done once the capture has ended: CUDA counts and
-        instantiates graphs back to back faster than one at each break (on an H100, 64
-        one-kernel graphs in 0.88x the time)."""
+        instantiates graphs back to back faster than one at each break (docs/performance.md)."""
         kept = []
         for segment in self.segments:
             if segment.kind == "graph":
@@ -129,7 +128,7 @@ class Recorder:
         """End the segment, run ``function`` (its ``stub`` if it has one) eagerly and record
         it, begin the next segment. In a full-graph capture, record ``inline`` in the open
         segment instead."""
-        name = name or _function_name(function)
+        name = name or function_name(function)
         if self.inline:
             return self._run_inline(name, function, inline, args, kwargs)
         call = f"{name}()"
@@ -227,11 +226,8 @@ class Recorder:
         """End a half-done capture, destroy what it made and close its scope; never raises
         (the error that caused the abort is the one to report)."""
         began, self.segment_open = self.segment_open, False
-        try:  # only a capture this recorder began: another may be under way on the same stream
-            if began and bindings.capture_status(self.stream) is not bindings.CaptureStatus.NONE:
-                bindings.end_capture(self.stream).destroy()
-        except CudaError:
-            pass  # an invalidated capture: ending it failed, and the stream has left capture mode
+        if began:  # only a capture this recorder began: another may be under way on the same stream
+            bindings.discard_capture(self.stream)
         for segment in self.segments:
             segment.release()
         self.segments = []
@@ -279,7 +275,3 @@ def start(pool, stream: torch.cuda.Stream, options: CaptureOptions, record_addre
         recorder.abort()
         raise
     return recorder
-
-
-def _function_name(function: Callable) -> str:
-    return getattr(function, "__qualname__", None) or getattr(function, "__name__", None) or repr(function)

@@ -33,11 +33,10 @@ random op while another capture holds the generator waits for it.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import re
 import threading
 import warnings
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -100,8 +99,7 @@ def _keep_device_state(device: torch.device) -> None:
     """Keep the default generator's graph-safe device state (a seed and an offset tensor)
     allocated between captures. torch frees it when no graph is registered with the
     generator and allocates it at the next registration, so every capture would pay an
-    allocation, a cudaMalloc once the allocator's cache was emptied (0.24 ms a capture on
-    an H100); a graph that registers and never captures keeps it, as any live torch graph does."""
+    allocation, a cudaMalloc once the allocator's cache was emptied; a graph that registers and never captures keeps it, as any live torch graph does."""
     if device.index not in _registered:
         anchor = torch.cuda.CUDAGraph()
         anchor.register_generator_state(torch.cuda.default_generators[device.index])
@@ -185,9 +183,9 @@ class ArmedGenerators:
         """Whether the segments so far drew random numbers; ask while a segment records."""
         return any(int(gen.get_state()[8:].view(torch.int64)) != 0 for gen in self.generators)
 
-    def disarm(self, keep: bool):
-        """Disarm the generators (once). With ``keep``, return the replay step that refills
-        and advances them (``launch(stream)``); otherwise None."""
+    def disarm(self, keep: bool) -> Callable[[], None] | None:
+        """Disarm the generators (once). With ``keep``, return what refills and advances
+        them before each replay; otherwise None."""
         keeper, self._keeper = self._keeper, None
         if keeper is None:
             return None
@@ -204,17 +202,10 @@ class ArmedGenerators:
             # Leave no capture of ours open (a capture we did not begin is not ours to end),
             # and leave the generators on their plain states: the armed ones could not be
             # disarmed, and eager draws must work.
-            with contextlib.suppress(bindings.CudaError):
-                if began and bindings.capture_status(self._stream) is not bindings.CaptureStatus.NONE:
-                    bindings.end_capture(self._stream).destroy()
+            if began:
+                bindings.discard_capture(self._stream)
             self.point_at_plain_states()
             raise
         finally:
             _release(self.generators)
-        if not keep:
-            return None
-
-        def refill(_stream) -> None:
-            keeper.replay()
-
-        return refill
+        return keeper.replay if keep else None

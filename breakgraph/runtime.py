@@ -172,8 +172,8 @@ def _held_by_another_thread(stream: torch.cuda.Stream) -> bool:
 
 @contextlib.contextmanager
 def on_stream(stream: torch.cuda.Stream):
-    """``with torch.cuda.stream(stream)`` at a third of its cost (5.4 against 16.2 µs on an
-    H100 host), for the paths every capture takes: ``stream`` becomes current on its device,
+    """``with torch.cuda.stream(stream)`` without building torch's stream objects (a
+    fraction of its cost: docs/performance.md), for the paths every capture takes: ``stream`` becomes current on its device,
     which becomes the current device, and on exit both are what they were."""
     device = torch.cuda.current_device()
     index = stream.device_index
@@ -245,3 +245,15 @@ def release_after_captures(owner, attribute: str) -> None:
         if owned is not None and _gc_holds:
             _parked.append(owned)
         del owned  # when this was the last reference, the pool is destroyed here, under the lock
+
+
+class OwnedPool:
+    """One owner's hold on a memory pool (a graph's, a runner's): when the owner drops it,
+    the pool is let go where no capture can be running (:func:`release_after_captures`)."""
+
+    def __init__(self, pool) -> None:
+        self.pool = pool
+
+    def __del__(self) -> None:
+        if release_after_captures is not None:  # None at interpreter exit: nothing to guard
+            release_after_captures(self, "pool")

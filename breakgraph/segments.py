@@ -27,8 +27,8 @@ def instantiate(graph: Graph, stream, measure: bool) -> tuple[GraphExec, int | N
     """Instantiate ``graph``. With ``measure``, also upload it on ``stream`` (the driver
     takes part of its memory there) and return the device memory the driver took for both,
     read with ``cudaMemGetInfo`` (exact only while no other thread allocates device
-    memory); otherwise None, and its first launch uploads it (on an H100, uploading at
-    capture cost 4.2 µs per segment and saved the first launch 1.3 µs)."""
+    memory); otherwise None, and its first launch uploads it (uploading at capture would
+    cost every segment more than it saves the first launch)."""
     if not measure:
         return graph.instantiate(), None
     free_before = bindings.free_device_memory()

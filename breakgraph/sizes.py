@@ -7,7 +7,11 @@ from typing import Sequence
 
 
 def default_capture_sizes(max_size: int) -> list[int]:
-    """The engines' habit: 1, 2, 4, 8, then every multiple of 8 up to ``max_size`` (itself included)."""
+    """The engines' habit: 1, 2, 4, 8, then every multiple of 8 up to ``max_size`` (itself included).
+
+    Arguments:
+        max_size (int): the largest batch to capture, at least 1.
+    """
     if isinstance(max_size, bool) or not isinstance(max_size, int):
         raise TypeError(f"max_size must be a whole number of rows (the largest batch to capture), got {max_size!r}")
     if max_size < 1:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -191,27 +191,36 @@ def _hooked_wait_stream(self, stream):
     tracker.stream_waited(self, stream)
 
 
-def _hooked_event_record(self, stream=None):
-    original = _originals[(torch.cuda.Event, "record")]
-    tracker = _tracker()
-    if tracker is None:
-        return original(self, stream)
-    stream = torch.cuda.current_stream() if stream is None else stream
-    original(self, stream)
-    tracker.event_recorded(self, stream)
+def _event_hook(name: str) -> Callable:
+    """Decorator: ``tracked(original, event, stream, tracker)`` as the hook of ``Event.<name>``,
+    which calls torch's own method outside a capture's segments."""
+
+    def make(tracked: Callable[[Callable, Any, torch.cuda.Stream, Any], None]) -> Callable:
+        def hooked(self, stream=None):
+            original = _originals[(torch.cuda.Event, name)]
+            tracker = _tracker()
+            if tracker is None:
+                return original(self, stream)
+            tracked(original, self, torch.cuda.current_stream() if stream is None else stream, tracker)
+
+        return hooked
+
+    return make
 
 
-def _hooked_event_wait(self, stream=None):
-    original = _originals[(torch.cuda.Event, "wait")]
-    tracker = _tracker()
-    if tracker is None:
-        return original(self, stream)
-    stream = torch.cuda.current_stream() if stream is None else stream
-    if tracker.recorded_in_earlier_segment(self):
+@_event_hook("record")
+def _hooked_event_record(original, event, stream, tracker) -> None:
+    original(event, stream)
+    tracker.event_recorded(event, stream)
+
+
+@_event_hook("wait")
+def _hooked_event_wait(original, event, stream, tracker) -> None:
+    if tracker.recorded_in_earlier_segment(event):
         tracker.waited_on_earlier_segment(stream)
         return
-    original(self, stream)
-    tracker.event_waited(self, stream)
+    original(event, stream)
+    tracker.event_waited(event, stream)
 
 
 _HOOKS = {
@@ -240,7 +249,8 @@ def remove_hooks() -> None:
         if _users == 0:
             for (cls, name), original in _originals.items():
                 setattr(cls, name, original)
-            _originals.clear()
+            # _originals stays filled: a hook another thread entered just before this
+            # removal still finds the method it calls (the hooks read it without the lock).
 
 
 def original_wait_stream(waiter, source) -> None:
@@ -248,6 +258,6 @@ def original_wait_stream(waiter, source) -> None:
     implements it with an event record and wait, which are hooked too)."""
     _quiet.active = True
     try:
-        (_originals.get((torch.cuda.Stream, "wait_stream")) or torch.cuda.Stream.wait_stream)(waiter, source)
+        _originals.get((torch.cuda.Stream, "wait_stream"), torch.cuda.Stream.wait_stream)(waiter, source)
     finally:
         _quiet.active = False
