@@ -7,6 +7,16 @@ import torch
 import breakgraph as bg
 
 
+@bg.eager_on_graph
+def scale_eager(x, factor=2.0):
+    return x * factor
+
+
+@bg.eager_on_graph
+def softmax_eager(x):
+    return torch.softmax(x, dim=-1)
+
+
 def poison_(value) -> None:
     """Fill every floating tensor in ``value`` with NaN so an unwritten buffer shows."""
     if isinstance(value, torch.Tensor):

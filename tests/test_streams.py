@@ -2,6 +2,9 @@
 
 import itertools
 
+import pytest
+import torch
+
 import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -187,3 +190,17 @@ def test_joined_stream_without_new_work_is_not_joined_again():
     tracker.stream_waited(main, side)
     tracker.segment_ending()
     assert joins == []
+
+
+def test_a_hook_entered_before_the_last_capture_ends_still_finds_torchs_method():
+    """Hooks read the saved originals without the lock; removing the hooks must not take them away."""
+    from breakgraph import streams
+
+    original = torch.cuda.Stream.__dict__["wait_stream"]
+    streams.install_hooks()
+    hooked = torch.cuda.Stream.__dict__["wait_stream"]
+    streams.remove_hooks()  # another thread's last capture ends while this hook is under way
+    assert hooked is not original and torch.cuda.Stream.__dict__["wait_stream"] is original
+    with pytest.raises(Exception) as raised:
+        hooked(object(), object())  # outside a capture: reaches torch's method, which refuses these
+    assert not isinstance(raised.value, KeyError)

@@ -13,7 +13,6 @@ import pytest
 
 from benchmarks.peers import META, MISSING
 
-pytestmark = pytest.mark.gpu
 
 META_INSTALLED = importlib.util.find_spec("breakable_cuda_graphs") is not None
 

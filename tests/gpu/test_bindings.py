@@ -5,7 +5,6 @@ import torch
 
 import breakgraph_bindings as bindings
 
-pytestmark = pytest.mark.gpu
 DEV = "cuda"
 
 

@@ -10,7 +10,6 @@ from torch import nn
 import breakgraph as bg
 from tests.helpers import assert_close, poison_
 
-pytestmark = pytest.mark.gpu
 DEV = "cuda"
 
 

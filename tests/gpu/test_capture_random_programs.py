@@ -3,7 +3,6 @@ eager: on one thread or two capturing at once, in normal and in debug mode."""
 
 import os
 
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -12,7 +11,6 @@ import breakgraph as bg
 from tests.gpu.threads import generator_lock, run_together
 from tests.helpers import assert_close, poison_
 
-pytestmark = pytest.mark.gpu
 DEV = "cuda"
 EXAMPLES = int(os.environ.get("BREAKGRAPH_PROGRAM_EXAMPLES", "30"))
 

@@ -9,7 +9,6 @@ from torch import nn
 import breakgraph as bg
 from tests.helpers import assert_close, check_against_eager, poison_
 
-pytestmark = pytest.mark.gpu
 DEV = "cuda"
 
 

@@ -10,7 +10,6 @@ import torch
 import breakgraph as bg
 from tests.helpers import assert_close, normalized_model as model, poison_
 
-pytestmark = pytest.mark.gpu
 DEV = "cuda"
 
 

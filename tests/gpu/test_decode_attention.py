@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("batch", [1, 3, 8])

@@ -10,7 +10,6 @@ import breakgraph as bg
 from breakgraph import diagnostics
 from tests.helpers import normalize, normalized_model as model
 
-pytestmark = pytest.mark.gpu
 DEV = "cuda"
 
 

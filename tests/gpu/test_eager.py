@@ -7,7 +7,6 @@ import breakgraph as bg
 import breakgraph_bindings as bindings
 from tests.helpers import assert_close, poison_
 
-pytestmark = pytest.mark.gpu
 DEV = "cuda"
 CAPACITY = 64
 

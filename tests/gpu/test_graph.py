@@ -6,7 +6,6 @@ import torch
 import breakgraph as bg
 from tests.helpers import assert_close
 
-pytestmark = pytest.mark.gpu
 DEV = "cuda"
 
 

@@ -12,7 +12,6 @@ from breakgraph import hf
 from breakgraph.hf import LLAMA_3_2_1B
 from tests.helpers import transformers_eager_generate
 
-pytestmark = pytest.mark.gpu
 PROMPT, NEW = 128, 128
 MODES = ["breakable", "full"]
 

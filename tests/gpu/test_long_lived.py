@@ -9,13 +9,11 @@ import sys
 from collections import deque
 from pathlib import Path
 
-import pytest
 import torch
 
 import breakgraph as bg
 from tests.helpers import assert_close, normalized_model, poison_
 
-pytestmark = pytest.mark.gpu
 DEV = "cuda"
 ROOT = Path(__file__).resolve().parents[2]
 SLACK = 64 * 2**20

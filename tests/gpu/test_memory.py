@@ -12,7 +12,6 @@ import breakgraph_bindings as bindings
 from breakgraph.demo import TinyTransformer
 from tests.helpers import assert_close, normalize, normalized_model, poison_
 
-pytestmark = pytest.mark.gpu
 DEV = "cuda"
 SIZES = [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
 

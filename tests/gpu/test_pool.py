@@ -3,7 +3,6 @@ recaptures in any order, and every remaining graph still replays equal to eager.
 
 import os
 
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -11,7 +10,6 @@ from hypothesis import strategies as st
 import breakgraph as bg
 from tests.helpers import assert_close, poison_
 
-pytestmark = pytest.mark.gpu
 DEV = "cuda"
 SIZES = (16, 8, 4, 2, 1)
 EXAMPLES = int(os.environ.get("BREAKGRAPH_CHURN_EXAMPLES", "40"))

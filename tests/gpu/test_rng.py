@@ -16,7 +16,6 @@ from breakgraph.runtime import cuda_available
 from tests.helpers import assert_close, poison_
 
 pytestmark = [
-    pytest.mark.gpu,
     pytest.mark.skipif(
         cuda_available() and not rng.cooperative(), reason="this torch's CUDA generators cannot be armed for raw captures"
     ),

@@ -9,7 +9,6 @@ import breakgraph as bg
 from breakgraph.demo import TinyTransformer
 from tests.helpers import assert_close
 
-pytestmark = pytest.mark.gpu
 DEV = "cuda"
 MAX = 24
 

@@ -6,7 +6,6 @@ import torch
 import breakgraph as bg
 from tests.helpers import assert_close, check_against_eager, poison_
 
-pytestmark = pytest.mark.gpu
 DEV = "cuda"
 ORIGINALS = {
     "wait_stream": torch.cuda.Stream.__dict__["wait_stream"],

@@ -2,7 +2,6 @@
 each way of treating random ops; every replay checked against eager, 20 rounds in a row."""
 
 import itertools
-import threading
 
 import pytest
 import torch
@@ -11,7 +10,6 @@ import breakgraph as bg
 from tests.gpu.threads import Body, Worker, capture_concurrently, run_together, scale_in_place
 from tests.helpers import assert_close, poison_
 
-pytestmark = pytest.mark.gpu
 
 BODIES = {
     "plain": Body(),

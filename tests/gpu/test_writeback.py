@@ -8,7 +8,6 @@ import torch
 import breakgraph as bg
 from tests.helpers import assert_close, poison_
 
-pytestmark = pytest.mark.gpu
 DEV = "cuda"
 
 

@@ -1,0 +1,156 @@
+"""A capture that fails leaves nothing behind, and what cannot be captured is refused clearly."""
+
+
+import pytest
+import torch
+
+import breakgraph_bindings as bindings
+import breakgraph as bg
+from tests.helpers import check_against_eager, softmax_eager
+
+DEV = "cuda"
+
+
+# -- failure paths ----------------------------------------------------------------------------
+
+
+def _assert_clean_state(caller_stream):
+    assert not bg.is_capturing()
+    assert torch.cuda.current_stream() == caller_stream
+    assert torch.cuda.Stream.__dict__["wait_stream"] is _ORIGINAL_WAIT_STREAM
+    assert torch.cuda.Event.__dict__["record"] is _ORIGINAL_RECORD
+    assert bindings.capture_status(torch.cuda.current_stream()) is bindings.CaptureStatus.NONE
+    # The next capture works and matches eager.
+    check_against_eager(lambda x: softmax_eager(x * 2) + 1, [torch.randn(4, 8, device=DEV)])
+
+
+_ORIGINAL_WAIT_STREAM = torch.cuda.Stream.__dict__["wait_stream"]
+_ORIGINAL_RECORD = torch.cuda.Event.__dict__["record"]
+
+
+class Boom(Exception):
+    pass
+
+
+def _raise_in_body(x):
+    x * 2  # captured work before the failure
+    raise Boom("body")
+
+
+def _raise_in_break(x):
+    @bg.eager_on_graph
+    def bad(t):
+        raise Boom("break")
+
+    return bad(x * 2)
+
+
+def _raise_after_break(x):
+    softmax_eager(x)
+    raise Boom("after")
+
+
+@pytest.mark.parametrize("body", [_raise_in_body, _raise_in_break, _raise_after_break])
+def test_exception_in_capture_leaves_nothing_behind(body):
+    caller = torch.cuda.current_stream()
+    graph = bg.BreakableCUDAGraph()
+    with pytest.raises(Boom):
+        with bg.BreakableCUDAGraphCapture(graph):
+            body(torch.randn(4, 8, device=DEV))
+    assert not graph.captured and graph.segments == ()
+    _assert_clean_state(caller)
+
+
+@pytest.mark.parametrize("which", ["begin", "end"])
+def test_failure_at_segment_boundary_leaves_nothing_behind(monkeypatch, which):
+    caller = torch.cuda.current_stream()
+    real = getattr(bindings, f"{which}_capture")
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise bindings.CudaError(999, f"injected failure in {which}_capture")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bindings, f"{which}_capture", flaky)
+    graph = bg.BreakableCUDAGraph()
+    with pytest.raises(bindings.CudaError):
+        with bg.BreakableCUDAGraphCapture(graph):
+            x = torch.randn(4, 8, device=DEV)
+            softmax_eager(x * 2)
+            softmax_eager(x * 3)
+    monkeypatch.undo()
+    assert not graph.captured
+    _assert_clean_state(caller)
+
+
+@pytest.mark.parametrize(
+    "illegal, words",
+    [
+        (lambda x: x.sum().item(), "synchronizes"),
+        (lambda x: torch.nonzero(x > 0), "nonzero"),
+        (lambda x: torch.cuda.synchronize(), "cannot be captured"),
+        (lambda x: print(x), "cannot be captured"),
+    ],
+)
+def test_capture_illegal_op_raises_clear_error(illegal, words):
+    caller = torch.cuda.current_stream()
+    graph = bg.BreakableCUDAGraph()
+    with pytest.raises(bg.UncapturableOpError) as info:
+        with bg.BreakableCUDAGraphCapture(graph):
+            x = torch.randn(4, 8, device=DEV) * 2
+            illegal(x)
+    message = str(info.value)
+    assert words in message and "@breakgraph.eager_on_graph" in message
+    _assert_clean_state(caller)
+
+
+def test_illegal_op_inside_a_break_is_fine():
+    @bg.eager_on_graph
+    def count_positive(x, out):
+        out.fill_(int((x > 0).sum().item()))
+        return out
+
+    def fn(x, out):
+        return count_positive(x * 1.0, out) + 0
+
+    graph, _ = check_against_eager(fn, [torch.randn(64, device=DEV), torch.zeros(1, device=DEV)])
+
+
+def test_nested_capture_rejected():
+    outer = bg.BreakableCUDAGraph()
+    with pytest.raises(RuntimeError, match="nested"):
+        with bg.BreakableCUDAGraphCapture(outer):
+            with bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph()):
+                pass
+    _assert_clean_state(torch.cuda.current_stream())
+
+
+def test_default_stream_refused():
+    with pytest.raises(ValueError, match="default CUDA stream"):
+        with bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph(), stream=torch.cuda.default_stream()):
+            pass
+    assert not bg.is_capturing()
+
+
+def test_capture_begin_on_the_default_stream_refused():
+    graph = bg.BreakableCUDAGraph()
+    with torch.cuda.stream(torch.cuda.default_stream()):
+        with pytest.raises(ValueError, match="default CUDA stream"):
+            graph.capture_begin()
+    assert not bg.is_capturing() and not graph.captured
+
+
+def test_replay_before_capture_raises():
+    with pytest.raises(RuntimeError, match="holds no capture"):
+        bg.BreakableCUDAGraph().replay()
+
+
+def test_capture_twice_without_reset_raises():
+    graph = bg.BreakableCUDAGraph()
+    with bg.BreakableCUDAGraphCapture(graph):
+        torch.randn(2, device=DEV)
+    with pytest.raises(RuntimeError, match="reset"):
+        with bg.BreakableCUDAGraphCapture(graph):
+            pass

@@ -1,0 +1,52 @@
+"""A runner's static inputs: live batches checked, copied in and padded, outputs cut to the live rows."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from breakgraph.batches import StaticInputs, live_rows
+
+
+@settings(max_examples=60, deadline=None)
+@given(max_size=st.integers(1, 12), data=st.data())
+def test_a_live_batch_fills_the_first_rows_and_the_rest_up_to_the_size_is_padding(max_size, data):
+    n = data.draw(st.integers(1, max_size), label="live rows")
+    size = data.draw(st.integers(n, max_size), label="captured size")
+    pad = data.draw(st.sampled_from([0, -1, 2.5]), label="pad value")
+    inputs = StaticInputs((torch.full((max_size, 3), 99.0), torch.full((max_size,), 99, dtype=torch.long)))
+    live = [torch.randn(n, 3), torch.randint(0, 10, (n,))]
+    inputs.fill(inputs.check(tuple(live)), size, pad)
+    values, ids = inputs.leaves
+    assert torch.equal(values[:n], live[0]) and torch.equal(ids[:n], live[1])
+    assert torch.all(values[n:size] == pad) and torch.all(ids[n:size] == int(pad))
+    assert torch.all(values[size:] == 99.0)  # rows above the size are not touched
+    out = live_rows({"y": values[:size], "scalar": torch.tensor(1.0)}, size, n, clone=False)
+    assert out["y"].shape[0] == n and out["y"].data_ptr() == values.data_ptr()
+    assert out["scalar"].dim() == 0
+
+
+def test_live_rows_clones_when_asked():
+    static = torch.arange(8.0)
+    out = live_rows(static[:4], 4, 3, clone=True)
+    assert torch.equal(out, torch.arange(3.0)) and out.data_ptr() != static.data_ptr()
+
+
+def test_live_inputs_that_do_not_fit_the_buffers_are_named():
+    inputs = StaticInputs({"ids": torch.zeros(4, 2, dtype=torch.long), "mask": torch.zeros(4, 2)})
+    with pytest.raises(TypeError, match="pass live inputs by keyword"):
+        inputs.live((torch.zeros(1, 2),), {})
+    with pytest.raises(ValueError, match=r"expected inputs \['ids', 'mask'\], got \['ids'\]"):
+        inputs.check({"ids": torch.zeros(1, 2, dtype=torch.long)})
+    with pytest.raises(ValueError, match="dtype torch.float32, static buffer has torch.int64"):
+        inputs.check({"ids": torch.zeros(1, 2), "mask": torch.zeros(1, 2)})
+    with pytest.raises(ValueError, match="input 1: 2 rows, but input 0 has 1"):
+        inputs.check({"ids": torch.zeros(1, 2, dtype=torch.long), "mask": torch.zeros(2, 2)})
+    assert inputs.arguments({"ids": 1, "mask": 2}, {"key": "k"}) == ((), {"ids": 1, "mask": 2, "key": "k"})
+
+
+def test_buffers_on_the_meta_device_or_off_the_gpu_are_refused_where_it_matters():
+    with pytest.raises(ValueError, match="static input 1 is on the meta device"):
+        StaticInputs((torch.zeros(2), torch.zeros(2, device="meta"))).refuse_meta()
+    with pytest.raises(ValueError, match="static input 0 is on cpu, but a graph replays only CUDA work"):
+        StaticInputs(torch.zeros(2)).require_cuda()
