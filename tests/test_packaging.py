@@ -59,25 +59,30 @@ def _readme_command(name: str) -> str:
     return line
 
 
-def test_ci_runs_the_readme_test_command_verbatim():
-    assert _readme_command("python3 -m pytest -q") in (ROOT / ".ci" / "run").read_text()
-    assert "editable_mode=strict" in _readme_command("python3 -m breakgraph demo")
+def _environment_sharing_this_ones_packages(venv: Path) -> str:
+    """A fresh virtual environment whose packages are this environment's (torch, setuptools, pip),
+    found after its own: its Python, without network.
+
+    ``venv --system-site-packages`` would not do: made from a Python that runs in a virtual
+    environment, it shows the *base* interpreter's packages, not this environment's."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    own = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True, check=True)
+    ours = [entry for entry in sys.path if Path(entry).name in ("site-packages", "dist-packages")]
+    (Path(own.stdout.strip()) / "this_environment.pth").write_text("".join(f"{entry}\n" for entry in ours))
+    return python
 
 
 def test_an_editable_install_imports_from_the_folder_that_holds_the_checkout(tmp_path):
     """A clone named breakgraph/, installed editable as the README says, then Python run in the
     folder above it: that folder's breakgraph/ (the checkout, no __init__.py) must not be
     imported as an empty namespace package ahead of the installed breakgraph."""
-    from setuptools import __version__ as setuptools_version
-
-    if int(setuptools_version.split(".")[0]) < 77:
-        pytest.skip("this environment's setuptools is older than the build needs")
     clone = tmp_path / "breakgraph"
-    shutil.copytree(ROOT, clone, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", ".*cache*", ".hypothesis", "results", ".scratch", ".whl"))
-    venv = tmp_path / "venv"
-    # --without-pip and system site-packages: torch and setuptools from this environment, no network.
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
-    python = str(venv / "bin" / "python")
+    shutil.copytree(ROOT, clone, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", ".*cache*", ".hypothesis", "results", ".scratch", ".whl", ".venv*", "venv*"))
+    python = _environment_sharing_this_ones_packages(tmp_path / "venv")
+    setuptools = subprocess.run([python, "-c", "import setuptools; print(setuptools.__version__)"], capture_output=True, text=True)
+    if setuptools.returncode != 0 or int(setuptools.stdout.split(".")[0]) < 77:
+        pytest.skip(f"the build needs setuptools>=77 and there is no network; this environment has {setuptools.stdout.strip() or 'none'}")
     flags = _readme_command("python3 -m pytest -q").split("&&")[0].split('".[test,plot,transformers]"')[1].split()
     install = subprocess.run(
         [python, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "-e", str(clone), *flags],
