@@ -32,7 +32,7 @@ import torch
 
 import breakgraph as bg
 from breakgraph.runtime import run_on_stream
-from benchmarks.common import device_meta, plot_grouped_bars, time_per_call_us, time_variants, write_outputs
+from benchmarks.common import device_meta, plot_grouped_bars, require_gpu, time_per_call_us, time_variants, write_outputs
 from benchmarks.decoder import (
     AttentionMetadata,
     Decoder,
@@ -219,6 +219,7 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--batches", type=int, nargs="+", default=None)
     args = parser.parse_args(argv)
+    require_gpu("decode_step")
     config = DecoderConfig(layers=args.layers or (2 if args.quick else 16))
     batches = args.batches or ([1, 8] if args.quick else [1, 8, 32, 64])
     iters = 10 if args.quick else 100

@@ -39,7 +39,7 @@ import time
 
 import torch
 
-from benchmarks.common import device_meta, plot_grouped_bars, write_outputs
+from benchmarks.common import device_meta, plot_grouped_bars, require_gpu, write_outputs
 from breakgraph import hf
 
 VARIANTS = {
@@ -165,6 +165,7 @@ def main(argv=None) -> int:
     parser.add_argument("--one", choices=list(VARIANTS), help=argparse.SUPPRESS)  # a child process: one measurement
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    require_gpu("transformers_generate")
     args.prompt = args.prompt or (16 if args.quick else 128)
     args.new = args.new or (16 if args.quick else 128)
     args.repeats = args.repeats or (1 if args.quick else 3)
