@@ -10,11 +10,12 @@ It prints the tokens and times each phase on its own:
 - decode: the other new tokens, one graph replay each.
 
 Prefill and decode are timed the first time this process runs them (cold)
-and again (warm). A cold decode step attends over a key length the process
-has not seen before, so whatever the attention kernel prepares for a new
-shape is paid then, once per length and batch size. The runner's report
-follows. Without a GPU it says so and runs a 2-layer model of the same
-family eagerly.
+and again (warm). In breakable mode a cold decode step attends over a key
+length the process has not seen before, so whatever the attention kernel
+prepares for a new shape is paid then, once per length and batch size
+(full mode attends over the whole cache at every step). The runner's
+report follows. Without a GPU it says so and runs a 2-layer model of the
+same family eagerly.
 
     python3 examples/llama_generate.py [--batch 4] [--prompt 128] [--new 128] [--mode breakable|full]
 """

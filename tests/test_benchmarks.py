@@ -37,7 +37,8 @@ def benchmark_runs(tmp_path_factory):
 
 
 def test_every_benchmark_is_found():
-    assert len(BENCHMARKS) == 8 and {"decode_step", "transformers_generate"} <= set(BENCHMARKS)
+    known = {"capture_time", "decode_step", "graph_memory", "memory", "replay_overhead", "soak", "training_step", "transformers_generate"}
+    assert known <= set(BENCHMARKS)  # and any new one is run by the test below
 
 
 @pytest.mark.parametrize("name", BENCHMARKS)
