@@ -41,7 +41,7 @@ import torch
 
 import breakgraph_bindings as bindings
 import breakgraph as bg
-from benchmarks.common import device_meta, noop, plot_lines, replay_each, write_outputs
+from benchmarks.common import device_meta, noop, plot_lines, replay_each, require_gpu, write_outputs
 from benchmarks.decoder import (
     BatchInputs,
     Decoder,
@@ -252,6 +252,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="results")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers for the start-up part (16)")
     args = parser.parse_args(argv)
+    require_gpu("capture_time")
     meta = device_meta()
     meta_library = load_meta()
     rows = break_count_rows([8, 64] if args.quick else [8, 64, 256], 2 if args.quick else 5, meta_library)

@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 import breakgraph as bg
+from breakgraph.runtime import cuda_problem
+
+
+def require_gpu(benchmark: str) -> None:
+    """Leave with status 2, saying why, where no CUDA GPU can run ``benchmark``: every benchmark
+    measures graphs on a GPU, and torch's own errors without one name no benchmark."""
+    problem = cuda_problem()
+    if problem is not None:
+        print(f"python3 -m benchmarks.{benchmark} needs a CUDA GPU ({problem}); nothing was measured", file=sys.stderr)
+        raise SystemExit(2)
 
 
 def time_per_call_us(fn, iters: int, repeats: int = 5) -> float:

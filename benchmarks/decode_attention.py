@@ -3,7 +3,7 @@
 Full graphs need attention that takes each row's live length from a device
 tensor, so that one graph serves every step. Measured on an H100 (16 query
 heads, 4 KV heads, head_dim 128, bf16, 1024-slot cache; µs per layer inside
-a graph of 16 layers; ``.scratch`` probe, one run), against the breakable
+a graph of 16 layers; one run of a probe not kept here), against the breakable
 decoder's eager attention with its length frozen in a graph (the bound):
 
 ============================================  =======  =======  ========

@@ -18,6 +18,15 @@ host waits for the result (as it must to sample the next token).
 At batch 1 the gap to the lower bound is split into what the host spends in
 the eager attention calls, in graph launches, and the GPU's idle time.
 
+The warm steps cycle through 16 live lengths, each seen before. Each
+variant is also timed cold: the median of 8 steps, each at a length no step
+of the run has had (``cold_step_ms``). The eager attention's shapes hold
+the length, and SDPA's cuDNN backend (which torch prefers on an H100 with
+a recent cuDNN; the run prints the backend it picked) builds a plan for
+every new shape, so a sequence that grows pays that at each of its steps,
+once per length and batch size. Full graphs, whose attention reads
+positions from the device, and the frozen lower bound keep their shapes.
+
     python -m benchmarks.decode_step [--quick] [--out results] [--layers 16] [--batches 1 8 32 64]
 """
 
@@ -32,7 +41,7 @@ import torch
 
 import breakgraph as bg
 from breakgraph.runtime import run_on_stream
-from benchmarks.common import device_meta, plot_grouped_bars, time_per_call_us, time_variants, write_outputs
+from benchmarks.common import device_meta, plot_grouped_bars, require_gpu, time_per_call_us, time_variants, write_outputs
 from benchmarks.decoder import (
     AttentionMetadata,
     Decoder,
@@ -41,6 +50,7 @@ from benchmarks.decoder import (
     TorchPiecewise,
     assert_matches_eager,
     attention,
+    attention_backend,
     attention_break,
     attention_from_positions,
 )
@@ -48,6 +58,7 @@ from benchmarks.peers import META, load_meta, meta_ratios
 
 LIVE_LENGTHS = range(1008, 1024)  # tokens in the cache before the step; the step attends over one more
 FROZEN_LENGTH = 1015  # the lower bound's length, the live lengths' middle
+COLD_STEPS = 8  # cold steps timed per variant, each at a length no step has had before
 
 VARIANTS = (
     "eager",
@@ -148,9 +159,10 @@ class Step:
                 worst[name] = max(worst[name], assert_matches_eager(got, expected, name))
         return worst
 
-    def timed(self, run):
-        """An engine's step: the live length moves on, the step runs, the host waits for its output."""
-        lengths = itertools.cycle(LIVE_LENGTHS)
+    def timed(self, run, lengths=LIVE_LENGTHS):
+        """An engine's step: the live length moves on (cycling through ``lengths``), the step runs,
+        the host waits for its output."""
+        lengths = itertools.cycle(lengths)
         meta = self.meta
 
         def step():
@@ -160,6 +172,22 @@ class Step:
             torch.cuda.synchronize()
 
         return step
+
+    def cold_us(self, unseen) -> dict:
+        """Each variant's median step at lengths met for the first time (taken from the iterator
+        ``unseen``, ``COLD_STEPS`` each), µs.
+
+        A kernel library may prepare a kernel per shape on first use (cuDNN's
+        attention builds a plan), and the eager attention's shapes hold the
+        length: the warm steps cycle through lengths seen before, but a
+        sequence that grows meets a new one at every step. Each variant takes
+        lengths of its own, so none finds what another prepared.
+        """
+        cold = {}
+        for name, run in self.runs().items():
+            step = self.timed(run, [next(unseen) for _ in range(COLD_STEPS)])
+            cold[name] = statistics.median(time_per_call_us(step, iters=1, repeats=1) for _ in range(COLD_STEPS))
+        return cold
 
 
 def gap_breakdown(step: Step, us: dict, iters: int) -> dict:
@@ -219,6 +247,7 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--batches", type=int, nargs="+", default=None)
     args = parser.parse_args(argv)
+    require_gpu("decode_step")
     config = DecoderConfig(layers=args.layers or (2 if args.quick else 16))
     batches = args.batches or ([1, 8] if args.quick else [1, 8, 32, 64])
     iters = 10 if args.quick else 100
@@ -227,10 +256,12 @@ def main(argv=None) -> int:
     stream = torch.cuda.Stream()
     meta_library = load_meta()
     rows, breakdown = [], {}
+    unseen = iter(range(LIVE_LENGTHS[0] - 1, 0, -1))  # lengths no step has had, nearest the warm ones first
     for batch in batches:
         step = Step(decoder, batch, stream, meta_library)
         worst = step.check()
         us = time_variants({name: step.timed(run) for name, run in step.runs().items()}, iters)
+        cold = step.cold_us(unseen)
         for name, value in us.items():
             rows.append(
                 {
@@ -238,6 +269,8 @@ def main(argv=None) -> int:
                     "variant": name,
                     "step_ms": round(value / 1000, 3),
                     "tokens_per_s": round(batch / value * 1e6),
+                    "cold_step_ms": round(cold[name] / 1000, 3),
+                    "cold_over_warm": round(cold[name] / value, 2),
                     "max_abs_diff_vs_eager": round(worst[name], 4),
                 }
             )
@@ -250,13 +283,19 @@ def main(argv=None) -> int:
             f"torch-per-segment/full {us[VARIANTS[2]] / full:.2f}x"
         )
         ratios += meta_ratios(us, {"breakgraph": ours, "full": full})
+        ratios += f"; cold/warm step: breakgraph {cold[VARIANTS[1]] / ours:.2f}x, full {cold[VARIANTS[4]] / full:.2f}x"
         rows.append({"batch": batch, "variant": "ratios", "step_ms": ratios})
         if batch == batches[0]:
             breakdown = {"batch": batch, **gap_breakdown(step, us, iters)}
+            backend = attention_backend(step.x.view(batch, config.heads, -1), decoder.k_cache[0][:batch], decoder.v_cache[0][:batch], LIVE_LENGTHS[0])
         del step
-    meta = device_meta() | {"config": {k: str(v) for k, v in vars(config).items()}, "gap_breakdown": breakdown}
-    columns = ["batch", "variant", "step_ms", "tokens_per_s", "max_abs_diff_vs_eager"]
+    meta = device_meta() | {"config": {k: str(v) for k, v in vars(config).items()}, "gap_breakdown": breakdown, "eager_attention_sdpa_backend": backend}
+    columns = ["batch", "variant", "step_ms", "tokens_per_s", "cold_step_ms", "cold_over_warm", "max_abs_diff_vs_eager"]
     write_outputs("decode_step", rows, columns, args.out, meta, draw)
+    print(
+        f"cold_step_ms: the median of {COLD_STEPS} steps, each at a length the variant meets for the first time; "
+        f"the eager attention runs on SDPA's {backend} backend"
+    )
     print(f"where the gap to the lower bound goes at batch {breakdown['batch']} (µs per step):")
     for key, value in breakdown.items():
         print(f"  {key}: {value}")
@@ -265,6 +304,10 @@ def main(argv=None) -> int:
 
 def draw(ax, rows):
     plot_grouped_bars(ax, rows, "batch", "step_ms", lambda batch: f"batch {batch}")
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    in_bar_order = sorted(rows, key=lambda r: (variants.index(r["variant"]), r["batch"]))  # as plot_grouped_bars draws
+    centres = [patch.get_x() + patch.get_width() / 2 for patch in ax.patches]
+    ax.scatter(centres, [r["cold_step_ms"] for r in in_bar_order], marker="_", s=120, color="black", label="first step at a new length")
     ax.set_yscale("log")
     ax.set_ylabel("step latency (ms, lower is better)")
     ax.set_title(f"Decode step, Llama-style decoder ({torch.cuda.get_device_name()})")

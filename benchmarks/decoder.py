@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
 import breakgraph as bg
 from breakgraph.runtime import run_on_stream
@@ -82,13 +83,22 @@ def attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tenso
     length = meta.length
     k_cache[:, length] = k
     v_cache[:, length] = v
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2),
-        k_cache[:, : length + 1].transpose(1, 2),
-        v_cache[:, : length + 1].transpose(1, 2),
-        enable_gqa=True,
-    )
+    keys, values = live_keys_values(k_cache, v_cache, length + 1)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, enable_gqa=True)
     return out.reshape(q.shape[0], -1)
+
+
+def live_keys_values(k_cache, v_cache, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``length`` cached keys and values as SDPA reads them, [batch, kv_heads, length, head_dim]."""
+    return k_cache[:, :length].transpose(1, 2), v_cache[:, :length].transpose(1, 2)
+
+
+def attention_backend(q, k_cache, v_cache, length: int) -> str:
+    """The SDPA backend :func:`attention` runs at a live ``length`` ("CUDNN_ATTENTION",
+    "FLASH_ATTENTION", ...). cuDNN's builds a plan for every new shape, so there each new
+    length pays for one, once per batch size."""
+    keys, values = live_keys_values(k_cache, v_cache, length + 1)
+    return SDPBackend(torch._fused_sdp_choice(q.unsqueeze(2), keys, values, enable_gqa=True)).name
 
 
 def attention_from_positions(q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:

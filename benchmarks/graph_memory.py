@@ -31,7 +31,7 @@ import breakgraph_bindings as bindings
 
 from breakgraph.pool import PoolUsage
 
-from benchmarks.common import device_meta, time_variants, write_outputs
+from benchmarks.common import device_meta, require_gpu, time_variants, write_outputs
 from benchmarks.decoder import BatchInputs, Decoder, DecoderConfig, attention_break, check_sizes, runner_replay
 
 LENGTH = 1015
@@ -211,6 +211,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="2-layer models at sizes up to 32")
     parser.add_argument("--out", default="results")
     args = parser.parse_args(argv)
+    require_gpu("graph_memory")
     sizes = bg.default_capture_sizes(32 if args.quick else 256)
     models = {
         "decoder 16x2048": DecoderConfig(layers=2 if args.quick else 16),

@@ -22,7 +22,7 @@ import torch
 
 import breakgraph as bg
 
-from benchmarks.common import device_meta, plot_lines, write_outputs
+from benchmarks.common import device_meta, plot_lines, require_gpu, write_outputs
 from benchmarks.decoder import (
     BatchInputs,
     Decoder,
@@ -46,6 +46,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="results")
     parser.add_argument("--layers", type=int, default=None)
     args = parser.parse_args(argv)
+    require_gpu("memory")
     config = DecoderConfig(layers=args.layers or (2 if args.quick else 16))
     all_sizes = [1, 2, 4, 8] if args.quick else [1, 2, 4, 8, 16, 32, 64]
 

@@ -20,7 +20,7 @@ import torch
 import breakgraph_bindings as bindings
 import breakgraph as bg
 from breakgraph.runtime import run_on_stream
-from benchmarks.common import device_meta, noop, plot_grouped_bars, replay_each, time_variants, write_outputs
+from benchmarks.common import device_meta, noop, plot_grouped_bars, replay_each, require_gpu, time_variants, write_outputs
 from benchmarks.peers import META, capture_meta_region, load_meta, meta_ratios
 
 
@@ -100,6 +100,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="small smoke run")
     parser.add_argument("--out", default="results")
     args = parser.parse_args(argv)
+    require_gpu("replay_overhead")
     sizes = [8, 64] if args.quick else [8, 64, 256]
     iters = 20 if args.quick else 200
     meta_library = load_meta()

@@ -28,7 +28,7 @@ import torch
 
 import breakgraph as bg
 
-from benchmarks.common import device_meta, write_outputs
+from benchmarks.common import device_meta, require_gpu, write_outputs
 from benchmarks.decoder import BatchInputs, Decoder, DecoderConfig, assert_matches_eager, attention_break
 
 LENGTH = 1015
@@ -123,6 +123,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="steps to run (default 100,000; 5,000 with --quick)")
     parser.add_argument("--out", default="results")
     args = parser.parse_args(argv)
+    require_gpu("soak")
     steps = args.steps or (5_000 if args.quick else 100_000)
     config = DecoderConfig(layers=2) if args.quick else DecoderConfig()
     samples, checks, facts = soak(steps, config)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import breakgraph as bg
-from benchmarks.common import device_meta, plot_grouped_bars, time_variants, write_outputs
+from benchmarks.common import device_meta, plot_grouped_bars, require_gpu, time_variants, write_outputs
 from benchmarks.peers import META, load_meta, meta_ratios
 from breakgraph.runtime import run_on_stream
 
@@ -172,6 +172,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="small smoke run")
     parser.add_argument("--out", default="results")
     args = parser.parse_args(argv)
+    require_gpu("training_step")
     iters = 10 if args.quick else 100
     shapes = [(512, 4, 32)] if args.quick else [(512, 8, 32), (1024, 8, 256), (2048, 8, 1024)]
     stream = torch.cuda.Stream()

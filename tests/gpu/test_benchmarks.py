@@ -1,4 +1,5 @@
-"""Every benchmark's --quick run: its variants pass their checks against eager and it writes its outputs.
+"""Every benchmark's --quick run: its variants pass their checks against eager and it writes its outputs,
+cold figures included where it reports them; and the worked example's run on the GPU.
 
 Where Meta's library (the ``bench`` extra) is installed, the benchmarks that
 measure it have its row and name it in their ratios.
@@ -7,9 +8,12 @@ measure it have its row and name it in their ratios.
 import importlib
 import importlib.util
 import json
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+from torch.nn.attention import SDPBackend
 
 from benchmarks.peers import META, MISSING
 
@@ -21,30 +25,76 @@ META_INSTALLED = importlib.util.find_spec("breakable_cuda_graphs") is not None
     "name, outputs, measures_meta",
     [
         ("replay_overhead", ["replay_overhead"], True),
-        ("decode_step", ["decode_step"], True),
         ("memory", ["memory"], True),
         ("capture_time", ["capture_time", "capture_startup"], True),
         ("training_step", ["training_step"], True),
         ("soak", ["soak"], False),
         ("graph_memory", ["graph_memory"], False),
-        ("transformers_generate", ["transformers_generate"], False),
     ],
 )
 def test_benchmark_quick_run(name, outputs, measures_meta, tmp_path):
     pytest.importorskip("matplotlib")
-    if name == "transformers_generate":
-        pytest.importorskip("transformers", reason="the transformers extra is not installed")
-    module = importlib.import_module(f"benchmarks.{name}")
-    assert module.main(["--quick", "--out", str(tmp_path)]) == 0
+    quick_run(name, tmp_path)
     for output in outputs:
-        data = json.loads((tmp_path / f"{output}.json").read_text())
-        measured = [row for row in data["rows"] if row["variant"] != "ratios"]
-        assert measured and any("breakgraph" in row["variant"] for row in measured)
-        assert (tmp_path / f"{output}.png").stat().st_size > 0
-        if measures_meta and META_INSTALLED:
-            assert any(row["variant"] == META for row in measured), f"{output}: no {META!r} row"
-            ratios = [str(value) for row in data["rows"] if row["variant"] == "ratios" for value in row.values()]
-            assert any("meta/" in value for value in ratios), f"{output}: no meta/ ratio"
+        check_outputs(tmp_path, output, measures_meta)
+
+
+def quick_run(name: str, out: Path) -> Path:
+    module = importlib.import_module(f"benchmarks.{name}")
+    assert module.main(["--quick", "--out", str(out)]) == 0
+    return out
+
+
+def check_outputs(out: Path, output: str, measures_meta: bool) -> tuple[dict, list[dict], list[str]]:
+    """The output's JSON, its measured rows and its ratios' texts, once checked."""
+    data = json.loads((out / f"{output}.json").read_text())
+    measured = [row for row in data["rows"] if row["variant"] != "ratios"]
+    assert measured and any("breakgraph" in row["variant"] for row in measured)
+    assert (out / f"{output}.png").stat().st_size > 0
+    ratios = [str(value) for row in data["rows"] if row["variant"] == "ratios" for value in row.values()]
+    if measures_meta and META_INSTALLED:
+        assert any(row["variant"] == META for row in measured), f"{output}: no {META!r} row"
+        assert any("meta/" in value for value in ratios), f"{output}: no meta/ ratio"
+    return data, measured, ratios
+
+
+def test_decode_step_times_every_variant_warm_and_cold(tmp_path):
+    pytest.importorskip("matplotlib")
+    data, measured, ratios = check_outputs(quick_run("decode_step", tmp_path), "decode_step", True)
+    for row in measured:
+        assert row["step_ms"] > 0 and row["cold_step_ms"] > 0 and row["cold_over_warm"] > 0, row
+    assert any("cold/warm step: breakgraph" in value for value in ratios)
+    assert data["meta"]["eager_attention_sdpa_backend"] in SDPBackend.__members__
+
+
+def test_transformers_generate_reports_cold_and_warm_generations(tmp_path):
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("transformers", reason="the transformers extra is not installed")
+    data, measured, ratios = check_outputs(quick_run("transformers_generate", tmp_path), "transformers_generate", False)
+    for row in measured:
+        assert row["cold_gen_s"] > 0 and row["cold_tok_s"] > 0 and row["warm_gen_s"] > 0 and row["warm_decode_tok_s"] > 0, row
+        if row["variant"].startswith("breakgraph"):
+            assert 0 < row["capture_s"] < row["cold_gen_s"], row  # the capture is part of the cold generation
+        else:
+            assert row["capture_s"] == "-"
+    assert any("compile/breakable" in value for value in ratios) and any("full cold/warm" in value for value in ratios)
+    batches = {row["batch"] for row in measured}
+    assert len(data["meta"]["targets"]) == 2 * len(batches)  # one line per breakgraph variant and batch size
+    assert all("torch.compile's" in line and "its warm" in line for line in data["meta"]["targets"])
+
+
+def test_the_worked_example_times_capture_prefill_and_decode_on_the_gpu(tmp_path):
+    pytest.importorskip("transformers", reason="the transformers extra is not installed")
+    example = Path(__file__).resolve().parents[2] / "examples" / "llama_generate.py"
+    done = subprocess.run(
+        [sys.executable, str(example), "--batch", "2", "--prompt", "16", "--new", "8"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "no CUDA GPU" not in out
+    for line in ("capture, batch sizes up to 2:", "prefill, 2 x 16 prompt tokens:", "decode, 2 x 7 tokens: the first time", "warm", "capture included"):
+        assert line in out, out
 
 
 def test_without_meta_s_library_a_benchmark_says_why_and_measures_the_rest(monkeypatch, tmp_path, capsys):
