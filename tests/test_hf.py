@@ -13,8 +13,12 @@ pytest.importorskip("transformers", reason="the transformers extra is not instal
 from hypothesis import given, settings, strategies as st
 from transformers import (
     AttentionInterface,
-    GPTJConfig,
-    GPTJForCausalLM,
+    BloomConfig,
+    BloomForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -22,11 +26,27 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
+from transformers.masking_utils import AttentionMaskInterface
 
 from breakgraph import hf
 from tests.helpers import transformers_eager_generate
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+# Without a GPU the runner warns that it runs eagerly. A deprecation (transformers warns with
+# FutureWarning) fails the test: breakgraph passes nothing a release of its range deprecates.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("error::FutureWarning"),
+    pytest.mark.filterwarnings("error::DeprecationWarning"),
+]
+
+
+@pytest.fixture(autouse=True)
+def no_deprecation_logged(caplog):
+    """transformers also announces deprecations through its logger: those fail the test as well."""
+    yield
+    logged = [record.getMessage() for phase in ("setup", "call") for record in caplog.get_records(phase)]
+    deprecated = [message for message in logged if "deprecat" in message.lower()]
+    assert not deprecated, deprecated
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +67,20 @@ def generator(model, **kwargs):
 
 def test_importing_registers_the_attention_implementation(model):
     assert AttentionInterface()[hf.ATTENTION] is hf.attention_forward
+    assert AttentionMaskInterface()[hf.ATTENTION] is hf.attention_mask
     model.set_attn_implementation(hf.ATTENTION)
     assert model.config._attn_implementation == "breakgraph"
+
+
+def test_register_is_idempotent_and_puts_back_what_was_replaced():
+    hf.register()
+    hf.register()
+    assert AttentionInterface()[hf.ATTENTION] is hf.attention_forward
+    AttentionInterface.register(hf.ATTENTION, lambda *args, **kwargs: None)
+    AttentionMaskInterface.register(hf.ATTENTION, lambda *args, **kwargs: None)
+    hf.register()
+    assert AttentionInterface()[hf.ATTENTION] is hf.attention_forward
+    assert AttentionMaskInterface()[hf.ATTENTION] is hf.attention_mask
 
 
 def test_the_generator_s_runner_measures_executables_only_when_asked(model):
@@ -72,6 +104,26 @@ def test_generation_equals_transformers(model, mode):
     for batch in (1, 3, 4):
         ids = torch.randint(0, 300, (batch, 12))
         assert torch.equal(gen.generate(ids, 20), transformers_eager_generate(model, ids, 20))
+
+
+@pytest.mark.parametrize("user_setting", [True, False])
+@pytest.mark.parametrize("mode", ["breakable", "full"])
+def test_generation_attends_without_cudnn_and_leaves_the_user_s_setting(model, monkeypatch, mode, user_setting):
+    seen, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(user_setting)
+    try:
+        generator(model, mode=mode, max_batch_size=2).generate(torch.randint(0, 300, (2, 5)), 4)
+        assert torch.backends.cuda.cudnn_sdp_enabled() is user_setting
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+    assert len(seen) == 2 * 4 and not any(seen)  # 2 layers, the prefill and 3 decode steps
 
 
 @settings(max_examples=15, deadline=None)
@@ -169,14 +221,57 @@ def test_other_decoder_families_equal_transformers(model_class, config_class, ov
     assert torch.equal(gen.generate(ids, 30), transformers_eager_generate(model, ids, 30))
 
 
-def test_what_the_break_does_not_apply_is_refused_not_ignored():
-    model = small(MistralForCausalLM, MistralConfig, sliding_window=16)
-    gen = generator(model, max_batch_size=1, max_length=64)
-    with pytest.raises(NotImplementedError, match="sliding window of 16 tokens.*max_length of at most 16"):
+def _mistral_window_16():
+    return small(MistralForCausalLM, MistralConfig, sliding_window=16)
+
+
+def _gemma2_soft_capping():
+    return small(Gemma2ForCausalLM, Gemma2Config, head_dim=16, attn_logit_softcapping=50.0)
+
+
+def _gpt_oss_sinks():
+    return small(GptOssForCausalLM, GptOssConfig, head_dim=16, num_local_experts=4, num_experts_per_tok=2)
+
+
+def _llama_one_layer_training():
+    model = small(LlamaForCausalLM, LlamaConfig, attention_dropout=0.1)
+    model.model.layers[1].train()  # the model in eval mode, one layer's attention dropping out
+    return model
+
+
+@pytest.mark.parametrize(
+    "build, error",
+    [
+        (_mistral_window_16, r"MistralAttention attends through a sliding window of 16 tokens.*max_length of at most 16"),
+        (_gemma2_soft_capping, r"Gemma2Attention asks attention for logit soft-capping \(softcap=\)"),
+        (_gpt_oss_sinks, r"GptOssAttention asks attention for attention sinks \(s_aux=\)"),
+        (_llama_one_layer_training, r"for inference: put the model in eval mode"),
+    ],
+    ids=["sliding window shorter than the cache", "soft-capping", "sinks", "dropout"],
+)
+def test_what_the_break_does_not_apply_is_refused_not_ignored(build, error):
+    gen = generator(build(), max_batch_size=1, max_length=64)
+    with pytest.raises((NotImplementedError, ValueError), match=error):
         gen.generate(torch.randint(0, 300, (1, 8)), 4)
-    gptj = GPTJForCausalLM(GPTJConfig(vocab_size=300, n_embd=64, n_layer=2, n_head=4, rotary_dim=8)).eval()
+
+
+def test_a_model_whose_attention_is_its_own_code_is_refused():
+    # Bloom computes its attention (ALiBi biases) in its own code on every transformers of the
+    # extra's range: transformers can only warn that it keeps Bloom's attention.
+    bloom = BloomForCausalLM(BloomConfig(vocab_size=300, hidden_size=64, n_layer=2, n_head=4)).eval()
+    bloom.set_attn_implementation(hf.ATTENTION)
     with pytest.raises(ValueError, match="does not route its attention through transformers' AttentionInterface"):
-        hf.Generator(gptj, max_length=32)
+        hf.Generator(bloom, max_length=32)
+
+
+def test_a_model_put_in_training_after_the_generator_was_made_is_refused(model):
+    gen = generator(model, max_batch_size=1)
+    model.train()
+    try:
+        with pytest.raises(ValueError, match=r"eval mode first \(model.eval\(\)\)"):
+            gen.generate(torch.randint(0, 300, (1, 4)), 2)
+    finally:
+        model.eval()
 
 
 def test_end_tokens_default_to_the_generation_config_as_transformers_does(model):

@@ -1,0 +1,58 @@
+"""Hugging Face transformers models on breakable CUDA graphs.
+
+Select breakgraph's attention with one line, and a :class:`Generator`
+captures the model's decode step once per batch size with a
+:class:`~breakgraph.GraphRunner` and generates greedily::
+
+    from breakgraph import hf
+    model.set_attn_implementation("breakgraph")
+    tokens = hf.Generator(model, max_length=512).generate(input_ids, max_new_tokens=128)
+
+Everything but attention is captured. Attention (:mod:`breakgraph.hf.attention`)
+is an ``@eager_on_graph`` break that reads each row's length on the host and
+attends over that many cached tokens (the breakable mode); its capturable
+variant, recorded by ``mode="full"``, reads each row's position from a device
+tensor and attends over the whole cache under a mask built on the device.
+Both run torch's scaled dot-product attention on any backend but cuDNN's,
+which would build an execution plan for every new key length
+(:mod:`breakgraph.hf.sdpa`). Called without a Generator (``model.generate()``,
+training), the implementation is transformers' own SDPA attention, masks
+included.
+
+Importing this package registers ``"breakgraph"`` with transformers'
+attention and mask registries (:func:`register`). transformers accepts only
+registered names, in ``set_attn_implementation`` and in
+``from_pretrained(attn_implementation=...)``, so a name that needed a second
+call before it could be selected would only add a way to get it wrong; the
+registration changes nothing for models that do not select it. ``register()``
+is the same step said explicitly, and puts the entries back where something
+replaced them; calling it again changes nothing.
+
+Modules: :mod:`~breakgraph.hf.shapes` (model shapes to try),
+:mod:`~breakgraph.hf.cache` (the static cache), :mod:`~breakgraph.hf.sdpa`
+and :mod:`~breakgraph.hf.attention` (the break),
+:mod:`~breakgraph.hf.registration` (what transformers calls),
+:mod:`~breakgraph.hf.end_tokens` and :mod:`~breakgraph.hf.generation` (the Generator).
+"""
+
+from breakgraph.hf.attention import attend, attend_in_graph
+from breakgraph.hf.cache import KVCache, RowLengths
+from breakgraph.hf.generation import STOP_CHECK_STEPS, Generator
+from breakgraph.hf.registration import ATTENTION, attention_forward, attention_mask, register
+from breakgraph.hf.shapes import LLAMA_3_2_1B
+
+register()
+
+__all__ = [
+    "ATTENTION",
+    "Generator",
+    "KVCache",
+    "LLAMA_3_2_1B",
+    "RowLengths",
+    "STOP_CHECK_STEPS",
+    "attend",
+    "attend_in_graph",
+    "attention_forward",
+    "attention_mask",
+    "register",
+]

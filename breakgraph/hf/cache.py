@@ -1,0 +1,131 @@
+"""The Generator's key/value cache: static rows at frozen addresses, each row of its own length."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from transformers import PretrainedConfig
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class RowLengths:
+    """How many cached tokens each row attends to in the forward under way, known on the host.
+
+    The generator sets them before every step. Rows a graph pads a live
+    batch with attend as far as the first row: their outputs are dropped.
+    """
+
+    def __init__(self) -> None:
+        self.ends: list[int] = [1]
+
+    def set(self, ends: Sequence[int]) -> None:
+        """Arguments:
+        ends (sequence of int): for each row of the forward, the cache slots it attends to
+            (its tokens so far, the forward's own included).
+        """
+        if not ends:
+            raise ValueError("a forward needs at least one row")
+        self.ends = list(ends)
+
+    def for_rows(self, rows: int) -> list[int]:
+        """The ends of ``rows`` rows: those set, then the first row's for the rows a graph pads with."""
+        return (self.ends + [self.ends[0]] * rows)[:rows]
+
+
+def decoder_shape(config: PretrainedConfig) -> tuple[int, int, int]:
+    """``(layers, key/value heads, head size)`` of the text decoder that ``config`` describes."""
+    text = config.get_text_config(decoder=True)
+    heads = text.num_attention_heads
+    # Configs leave out what a model derives: head_dim where it is hidden_size // heads,
+    # num_key_value_heads where every head has keys of its own (no grouped-query attention).
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    return text.num_hidden_layers, kv_heads, head_dim
+
+
+class _StaticRowsLayer(CacheLayerMixin):
+    """One layer's keys and values, ``(max_batch_size, kv_heads, max_length, head_dim)``, allocated
+    once so that every graph reads and writes them at the same addresses."""
+
+    is_compileable = False
+
+    def __init__(self, cache: KVCache, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.cache = cache
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # allocated up front
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write the forward's new keys and values at each row's position; return the rows' whole cache."""
+        rows, slots = self.cache.write_index(key_states.shape[0], key_states.shape[2])
+        self.keys[rows, :, slots] = key_states.transpose(1, 2)
+        self.values[rows, :, slots] = value_states.transpose(1, 2)
+        first = self.cache.first_row
+        return self.keys[first : first + key_states.shape[0]], self.values[first : first + key_states.shape[0]]
+
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        # From the host lengths, whatever transformers passes (the query length; older releases, cache positions).
+        return self.cache.lengths.ends[0], 0
+
+    def get_seq_length(self) -> int:
+        return self.cache.lengths.ends[0] - self.cache.query_length
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[2]
+
+    # Older releases of the range (5.0 at least to 5.10) require it of a layer under this name.
+    get_max_cache_shape = get_max_length
+
+
+class KVCache(Cache):
+    """A static key/value cache whose rows each keep their own length.
+
+    A forward writes its ``q`` new tokens of row ``r`` at slots
+    ``positions[r] .. positions[r] + q - 1`` (``positions`` is a device
+    tensor, so a graph replays the write for any lengths), into rows
+    ``first_row`` onwards.
+
+    Arguments:
+        config (PretrainedConfig): the model's config; its text decoder's layers, key/value
+            heads and head size shape the cache.
+        max_batch_size (int): rows, one per sequence generated at once.
+        max_length (int): slots per row: prompt and generated tokens.
+        dtype (torch.dtype): of the keys and values, the model's.
+        device (torch.device): where the cache lives, the model's.
+    """
+
+    def __init__(self, config: PretrainedConfig, max_batch_size: int, max_length: int, dtype: torch.dtype, device: torch.device):
+        layers, kv_heads, head_dim = decoder_shape(config)
+        shape = (max_batch_size, kv_heads, max_length, head_dim)
+        super().__init__(layers=[_StaticRowsLayer(self, shape, dtype, device) for _ in range(layers)])
+        self.row_capacity = max_batch_size  # (transformers' Cache has a read-only max_batch_size)
+        self.token_capacity = max_length
+        self.lengths = RowLengths()
+        self._row_index = torch.arange(max_batch_size, device=device)
+        self._offsets = torch.arange(max_length, device=device)
+        self.begin(torch.zeros(max_batch_size, dtype=torch.long, device=device), first_row=0, query_length=1)
+
+    def begin(self, positions: torch.Tensor, first_row: int, query_length: int) -> None:
+        """Say what the next forward writes.
+
+        Arguments:
+            positions (torch.Tensor): ``(batch,)`` long, on the cache's device: the slot of each
+                row's first new token.
+            first_row (int): the cache row of the batch's row 0.
+            query_length (int): new tokens per row.
+        """
+        self.positions, self.first_row, self.query_length = positions, first_row, query_length
+
+    def position_ids(self, batch: int, query_length: int) -> torch.Tensor:
+        """``(batch, query_length)``: each token's position, which is also its slot."""
+        return self.positions[:batch, None] + self._offsets[:query_length]
+
+    def write_index(self, batch: int, query_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row and slot indices, ``(batch, query_length)`` each, of the tokens a forward writes."""
+        rows = self._row_index[self.first_row : self.first_row + batch, None]
+        return rows, self.position_ids(batch, query_length)

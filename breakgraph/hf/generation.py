@@ -1,0 +1,225 @@
+"""Greedy generation whose decode step is captured per batch size: the :class:`Generator`."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Sequence
+
+import torch
+from transformers import PreTrainedModel
+
+import breakgraph as bg
+from breakgraph.hf.cache import KVCache
+from breakgraph.hf.end_tokens import EndTokens
+from breakgraph.hf.registration import ATTENTION, generating_into
+
+STOP_CHECK_STEPS = 16  # generate() reads the end tokens back this often: one host sync each
+
+
+def _cache_keyword(model: PreTrainedModel) -> str:
+    """The keyword the model's forward takes its cache by: ``cache`` where it has that parameter
+    (newer transformers, which deprecate ``past_key_values``), else ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+class Generator:
+    """Greedy generation with a transformers causal LM whose decode step is captured per batch size.
+
+    The key/value cache holds ``max_batch_size`` rows of ``max_length``
+    tokens (prompt and generated). Prefill runs eagerly; every later token
+    comes from one replay of the graph captured for the smallest batch size
+    that fits, or eagerly for a batch above the largest captured size.
+    Graphs are captured on the first :meth:`generate`, or by :meth:`capture`.
+
+    Arguments:
+        model (PreTrainedModel): a causal LM in eval mode on its device, using breakgraph's
+            attention (``model.set_attn_implementation("breakgraph")``).
+        max_length (int): cache slots per row: prompt and new tokens.
+        max_batch_size (int, default 8): cache rows: prompts generated at once.
+        mode (str, default "breakable"): the runner's graph mode: "breakable" (attention an eager
+            break between segments, reading each row's length on the host) or "full" (one graph
+            per size, attention over the whole cache under a device mask).
+        capture_sizes (sequence of int, optional): the batch sizes to capture, none above
+            ``max_batch_size``; by default the runner's (1, 2, 4, 8, then every multiple of 8).
+        progress (bool, default True): show the runner's capture progress bar.
+        debug (bool, optional): the runner's debug mode; None: ``BREAKGRAPH_DEBUG``.
+        measure_memory (bool, default False): have the runner measure its executables' memory.
+
+    ``runner`` is the :class:`~breakgraph.GraphRunner` (``report()``, ``memory()``, ``release()``).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        max_length: int,
+        max_batch_size: int = 8,
+        mode: str = "breakable",
+        capture_sizes: Sequence[int] | None = None,
+        progress: bool = True,
+        debug: bool | None = None,
+        measure_memory: bool = False,
+    ):
+        if not model.is_backend_compatible():
+            raise ValueError(
+                f"{type(model).__name__} does not route its attention through transformers' AttentionInterface, "
+                "so breakgraph's attention cannot be selected for it"
+            )
+        self.model = model
+        self._require_inference_with_breakgraph_attention()
+        if capture_sizes is not None and max(capture_sizes) > max_batch_size:
+            raise ValueError(f"capture_sizes {list(capture_sizes)} go above max_batch_size {max_batch_size}: raise max_batch_size")
+        parameter = next(model.parameters())
+        self.device = parameter.device
+        self.cache = KVCache(model.config, max_batch_size, max_length, parameter.dtype, parameter.device)
+        self._cache_keyword = _cache_keyword(model)
+        static = {
+            "input_ids": torch.zeros(max_batch_size, 1, dtype=torch.long, device=self.device),
+            "positions": torch.zeros(max_batch_size, dtype=torch.long, device=self.device),
+        }
+        self.runner = bg.GraphRunner(
+            self._decode_step, static, capture_sizes, modes=mode, progress=progress, debug=debug, measure_memory=measure_memory
+        )
+        self._captured = False
+
+    def _require_inference_with_breakgraph_attention(self) -> None:
+        # A private attribute: transformers has no public way to read the implementation a model runs.
+        implementation = self.model.config._attn_implementation
+        if implementation != ATTENTION:
+            raise ValueError(
+                f"the model uses the attention implementation {implementation!r}; select breakgraph's first: "
+                f"model.set_attn_implementation({ATTENTION!r})"
+            )
+        if self.model.training:
+            raise ValueError("Generator runs inference: put the model in eval mode first (model.eval())")
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.cache.row_capacity
+
+    @property
+    def max_length(self) -> int:
+        return self.cache.token_capacity
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, first_row: int = 0) -> torch.Tensor:
+        """Logits of ``input_ids`` (``(b, q)``), whose row ``r`` starts at slot ``positions[r]`` of
+        cache row ``first_row + r``."""
+        batch, length = input_ids.shape
+        cache = self.cache
+        cache.begin(positions, first_row, length)
+        with generating_into(cache):
+            output = self.model(
+                input_ids=input_ids,
+                position_ids=cache.position_ids(batch, length),
+                use_cache=True,
+                logits_to_keep=1,
+                **{self._cache_keyword: cache},
+            )
+        return output.logits[:, -1]
+
+    def _decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor):
+        logits = self._forward(input_ids, positions)
+        return logits, logits.argmax(-1)
+
+    def capture(self) -> Generator:
+        """Capture every batch size now, rather than on the first :meth:`generate`."""
+        if not self._captured:
+            with torch.inference_mode():
+                self.runner.capture()
+            self._captured = True
+        return self
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        attention_mask: torch.Tensor | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+        pad_token_id: int | None = None,
+        return_logits: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Greedy tokens after ``input_ids``, as ``model.generate(do_sample=False)`` returns them.
+
+        Arguments:
+            input_ids (torch.Tensor): ``(n, T)`` prompts, left-padded where ``attention_mask`` says
+                (as transformers' tokenizers pad for generation); ``n`` at most ``max_batch_size``.
+            max_new_tokens (int): new tokens per row, at most; ``T + max_new_tokens`` at most ``max_length``.
+            attention_mask (torch.Tensor, optional): ``(n, T)``, zeros (padding) then ones per row.
+            eos_token_id (int or sequence of int, optional): the end tokens; by default the model's
+                generation config's; ``()`` for none. A row that produced one is padded from then
+                on, and generation stops once every row has (checked every ``STOP_CHECK_STEPS``
+                steps, one host read each).
+            pad_token_id (int, optional): what pads a row after its end; by default the generation
+                config's, else the first end token.
+            return_logits (bool, default False): also return the logits of every new token.
+
+        Returns the prompt and new tokens, ``(n, T + new)``; with ``return_logits`` also the
+        logits, ``(n, new, vocab)``.
+        """
+        self._require_inference_with_breakgraph_attention()  # another attention would ignore the cache's lengths
+        prompt_lengths = self._prompt_lengths(input_ids, attention_mask, max_new_tokens)
+        self.capture()  # before the prefill: capturing runs the step, which writes cache slots
+        input_ids = input_ids.to(self.device)
+        end = EndTokens.resolve(self.model.generation_config, eos_token_id, pad_token_id)
+        tokens, logits = self._new_tokens(input_ids, prompt_lengths, max_new_tokens, end, return_logits)
+        tokens = end.pad_after_stop(tokens)
+        out = torch.cat([input_ids, tokens], dim=1)
+        return (out, torch.stack(logits[: tokens.shape[1]], dim=1)) if return_logits else out
+
+    def _new_tokens(
+        self, input_ids: torch.Tensor, prompt_lengths: list[int], max_new_tokens: int, end: EndTokens, keep_logits: bool
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Up to ``max_new_tokens`` greedy tokens per row (the prefill's, then one per decode
+        step, until every row has ended), and their logits if ``keep_logits``."""
+        tokens = torch.empty(input_ids.shape[0], max_new_tokens, dtype=torch.long, device=self.device)
+        first = self._prefill(input_ids, prompt_lengths)
+        tokens[:, 0] = first.argmax(-1)
+        logits = [first] if keep_logits else []
+        positions = torch.tensor(prompt_lengths, device=self.device)
+        for step in range(1, max_new_tokens):
+            self.cache.lengths.set([length + step for length in prompt_lengths])
+            step_logits, token = self.runner(input_ids=tokens[:, step - 1 : step], positions=positions)
+            tokens[:, step] = token
+            if keep_logits:
+                logits.append(step_logits.clone())
+            positions += 1
+            produced = step + 1
+            if produced % STOP_CHECK_STEPS == 0 and end.all_stopped(tokens[:, :produced]):
+                return tokens[:, :produced], logits
+        return tokens, logits
+
+    def _prompt_lengths(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int) -> list[int]:
+        """Each row's prompt length, once the call is checked against the cache."""
+        if input_ids.ndim != 2 or 0 in input_ids.shape:
+            raise ValueError(f"input_ids must be (batch, prompt length), with rows and a prompt, got shape {tuple(input_ids.shape)}")
+        n, length = input_ids.shape
+        if n > self.max_batch_size:
+            raise ValueError(f"{n} prompts, but this Generator's cache holds {self.max_batch_size} rows (max_batch_size)")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        if length + max_new_tokens > self.max_length:
+            raise ValueError(
+                f"a {length}-token prompt and {max_new_tokens} new tokens need {length + max_new_tokens} cache slots, "
+                f"but this Generator holds {self.max_length} (max_length)"
+            )
+        if attention_mask is None:
+            return [length] * n
+        mask = attention_mask.to("cpu", torch.bool)
+        lengths = mask.sum(1).tolist()
+        for row, real in enumerate(lengths):
+            if real == 0 or not bool(mask[row, length - real :].all()):
+                raise ValueError(f"row {row} of attention_mask is not left-padded (zeros, then ones, at least one)")
+        return lengths
+
+    def _prefill(self, input_ids: torch.Tensor, prompt_lengths: list[int]) -> torch.Tensor:
+        """Run the prompts eagerly into the cache; the logits of each row's last prompt token."""
+        n, length = input_ids.shape
+        if len(set(prompt_lengths)) == 1 and prompt_lengths[0] == length:
+            self.cache.lengths.set(prompt_lengths)
+            return self._forward(input_ids, torch.zeros(n, dtype=torch.long, device=self.device))
+        rows, zero = [], torch.zeros(1, dtype=torch.long, device=self.device)
+        for row, real in enumerate(prompt_lengths):  # left padding is not the model's input: one row at a time
+            self.cache.lengths.set([real])
+            rows.append(self._forward(input_ids[row : row + 1, length - real :], zero, first_row=row))
+        return torch.cat(rows)
