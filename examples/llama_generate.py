@@ -1,4 +1,4 @@
-"""Greedy generation with a Hugging Face Llama on breakgraph: the README's worked example.
+"""Greedy generation with a Hugging Face Llama on breakgraph: the worked example of docs/transformers.md.
 
 A Llama-3.2-1B-shaped model with random weights (built from a config: no
 download), its attention switched to breakgraph's with one line, its decode

@@ -179,6 +179,7 @@ def run_ci(tmp_path: Path, fails_on: str = "") -> tuple[subprocess.CompletedProc
     programs.mkdir()
     shutil.copy(ROOT / ".ci" / "run", checkout / ".ci" / "run")
     shutil.copy(README, checkout / "README.md")
+    shutil.copy(ROOT / "pyproject.toml", checkout / "pyproject.toml")
     for program in ("python3", "lint-imports"):
         fake(programs / program, log, fails_on)
     done = subprocess.run(
@@ -192,17 +193,22 @@ def run_ci(tmp_path: Path, fails_on: str = "") -> tuple[subprocess.CompletedProc
     return done, calls
 
 
-def test_ci_runs_the_readme_commands_in_a_fresh_environment_and_nothing_else(tmp_path):
+def test_ci_runs_the_readme_commands_in_a_fresh_environment_then_the_oldest_transformers(tmp_path):
     done, calls = run_ci(tmp_path)
     assert done.returncode == 0, done.stderr
     (venv, torch_cpu, *rest) = calls
     assert venv[:3] == ["python3", "-m", "venv"]  # a fresh virtual environment, made first
     assert torch_cpu == ["python3", "-m", "pip", "install", "torch==2.13.0"]  # then torch's CPU build, pinned
     readme = [shlex.split(step) for command in the_two_commands() for step in command.split("&&")]
-    assert rest == readme  # then exactly the README's commands, in its order
+    assert rest[: len(readme)] == readme  # then exactly the README's commands, in its order
+    oldest = re.search(r'"transformers>=([0-9.]+),', (ROOT / "pyproject.toml").read_text()).group(1)
+    assert rest[len(readme) :] == [  # then the extra's oldest transformers, on breakgraph.hf's tests
+        ["python3", "-m", "pip", "install", f"transformers=={oldest}"],
+        ["python3", "-m", "pytest", "-q", "tests/test_hf.py", "tests/test_hf_sdpa.py"],
+    ]
 
 
 def test_ci_fails_when_a_readme_command_fails(tmp_path):
     done, calls = run_ci(tmp_path, fails_on="pytest")
     assert done.returncode != 0
-    assert calls[-1][-3:] == ["-m", "pytest", "-q"]
+    assert calls[-1][-3:] == ["-m", "pytest", "-q"]  # the README's test command, and nothing after it

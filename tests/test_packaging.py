@@ -42,6 +42,7 @@ def test_a_wheel_installs_breakgraph_and_breakgraph_bindings_and_they_import(tmp
     (wheel,) = tmp_path.glob("breakgraph-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "breakgraph/__init__.py" in names and "breakgraph_bindings/__init__.py" in names
+    assert "breakgraph/hf/__init__.py" in names and "breakgraph/hf/generation.py" in names  # subpackages too
     assert not any(name.startswith("bindings/") for name in names)
     assert any(name.endswith("licenses/LICENSE") or name.endswith("/LICENSE") for name in names)
     site = tmp_path / "site"

@@ -12,8 +12,10 @@ MAX_PARAMETERS = 10
 
 
 def public_callables():
-    for name in bg.__all__:
-        obj = getattr(bg, name)
+    from breakgraph import hf
+
+    named = [(name, getattr(bg, name)) for name in bg.__all__] + [(f"hf.{name}", getattr(hf, name)) for name in hf.__all__]
+    for name, obj in named:
         if inspect.isclass(obj):
             if issubclass(obj, BaseException) or issubclass(obj, Warning):
                 continue

@@ -79,8 +79,13 @@ def attend(
 def attend_in_graph(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, lengths: RowLengths, scaling: float
 ) -> torch.Tensor:
-    """What full graphs record in place of :func:`attend` (same arguments): every row's length
-    from ``positions`` on the device, the whole cache attended under a mask."""
+    """What full graphs record in place of :func:`attend`: every row's length from
+    ``positions`` on the device, the whole cache attended under a mask.
+
+    Arguments:
+        query, keys, values, positions, lengths, scaling: as for :func:`attend`
+            (``lengths`` is not read: the lengths come from ``positions``).
+    """
     batch, heads, length, _dim = query.shape
     visible = _visible(positions[:batch] + length, length, heads // keys.shape[1], keys.shape[2])
     return _grouped_attention(query, keys, values, visible, scaling)

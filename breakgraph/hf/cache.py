@@ -29,7 +29,11 @@ class RowLengths:
         self.ends = list(ends)
 
     def for_rows(self, rows: int) -> list[int]:
-        """The ends of ``rows`` rows: those set, then the first row's for the rows a graph pads with."""
+        """The ends of ``rows`` rows: those set, then the first row's for the rows a graph pads with.
+
+        Arguments:
+            rows (int): the forward's rows, padding included.
+        """
         return (self.ends + [self.ends[0]] * rows)[:rows]
 
 
@@ -122,10 +126,20 @@ class KVCache(Cache):
         self.positions, self.first_row, self.query_length = positions, first_row, query_length
 
     def position_ids(self, batch: int, query_length: int) -> torch.Tensor:
-        """``(batch, query_length)``: each token's position, which is also its slot."""
+        """``(batch, query_length)``: each token's position, which is also its slot.
+
+        Arguments:
+            batch (int): the forward's rows.
+            query_length (int): its new tokens per row.
+        """
         return self.positions[:batch, None] + self._offsets[:query_length]
 
     def write_index(self, batch: int, query_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row and slot indices, ``(batch, query_length)`` each, of the tokens a forward writes."""
+        """Row and slot indices, ``(batch, query_length)`` each, of the tokens a forward writes.
+
+        Arguments:
+            batch (int): the forward's rows.
+            query_length (int): its new tokens per row.
+        """
         rows = self._row_index[self.first_row : self.first_row + batch, None]
         return rows, self.position_ids(batch, query_length)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from transformers import AttentionInterface
@@ -65,7 +65,7 @@ def attention_forward(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
-    **options,
+    **options: Any,
 ) -> tuple[torch.Tensor, None]:
     """The ``"breakgraph"`` attention implementation, with the signature transformers calls it by.
 
@@ -87,10 +87,14 @@ def attention_forward(
     return attend(query, key, value, cache.positions, cache.lengths, scale), None
 
 
-def attention_mask(*args, **kwargs) -> torch.Tensor | None:
+def attention_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     """The ``"breakgraph"`` mask implementation: none under a Generator, whose attention knows each
     row's length (under capture transformers would otherwise build a mask into the graph that
-    nothing reads); transformers' SDPA mask otherwise, with its arguments."""
+    nothing reads); transformers' SDPA mask otherwise.
+
+    Arguments:
+        *args, **kwargs: what transformers passes its mask functions, handed to its SDPA mask.
+    """
     return None if _generating.get() is not None else sdpa_mask(*args, **kwargs)
 
 

@@ -73,7 +73,7 @@ def relative_difference(logits: torch.Tensor, expected: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_bfloat16_logits_within_tolerance_of_transformers_eager(mode):
-    """The README's bfloat16 tolerance: every decode step's logits within 5 % of the largest logit
+    """docs/transformers.md's bfloat16 tolerance: every decode step's logits within 5 % of the largest logit
     (max |difference| / max |logit|) of transformers' eager forward over the same tokens. Printed
     beside: how far transformers' own eager generation is from that forward."""
     model = build_model(LLAMA_3_2_1B, torch.bfloat16, seed=random.randrange(2**31))

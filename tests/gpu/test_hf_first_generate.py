@@ -20,7 +20,6 @@ pytest.importorskip("transformers", reason="the transformers extra is not instal
 from benchmarks.transformers_generate import build_model
 from breakgraph import hf
 
-pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 MODES = ["breakable", "full"]
 SHAPE = dict(hf.LLAMA_3_2_1B, hidden_size=1024, intermediate_size=4096, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, head_dim=64)
