@@ -27,7 +27,7 @@ class CapturePolicy:
     initialisation inside a capture fails is warmed up once and captured
     again. An int warms up that many times before every size. With
     ``on_capture_error="eager"`` a failed size is remembered and served
-    eagerly. ``arguments(inputs, key)`` says how ``fn`` is called.
+    eagerly.
     """
 
     def __init__(
@@ -36,16 +36,19 @@ class CapturePolicy:
         inputs: StaticInputs,
         modes: dict[Hashable, str],
         options: RunnerOptions,
-        arguments: Callable[[object, Hashable], tuple[tuple, dict]],
     ):
         self.fn, self.inputs, self.modes, self.options = fn, inputs, modes, options
-        self.arguments = arguments
         self.debug = runtime.debug_requested(options.debug)
         self.graphed: dict[KeySize, GraphedCallable] = {}
         self.failed: dict[KeySize, str] = {}
         self.capture_seconds: dict[KeySize, float] = {}
         self.first_use_seconds: dict[KeySize, float] = {}
         self.warmed_up: set[KeySize] = set()
+
+    def arguments(self, inputs: object, key: Hashable) -> tuple[tuple, dict]:
+        """How ``fn`` is called on ``inputs``: shaped like the static inputs, and ``key=`` when
+        the runner has keys (``key`` is None otherwise)."""
+        return self.inputs.arguments(inputs, {} if key is None else {"key": key})
 
     def done(self, key: Hashable, size: int) -> bool:
         """Whether (key, size) was captured, or its capture failed and it is served eagerly."""

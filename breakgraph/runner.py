@@ -79,7 +79,7 @@ class GraphRunner:
         self.sizes_by_key = _sizes_by_key(capture_sizes, self.keys, self.modes, self.max_size)
         self.eager_reason = runtime.eager_fallback_reason()
         self.inputs.refuse_meta()
-        self._policy = CapturePolicy(fn, self.inputs, self.modes, self.options, self._arguments)
+        self._policy = CapturePolicy(fn, self.inputs, self.modes, self.options)
         self._memory = RunnerMemory(self._policy, self.keys, self.options.share_executables)
         self._logged_eager = False
         if self.eager_reason is not None:
@@ -166,19 +166,14 @@ class GraphRunner:
             output = graphed.replay()
         return live_rows(output, size, n, self.options.clone)
 
-    def _arguments(self, inputs: Any, key: Hashable) -> tuple[tuple, dict]:
-        """How ``fn`` is called on ``inputs``: shaped like the static inputs, and ``key=`` when
-        the runner has keys (``key`` is None otherwise)."""
-        return self.inputs.arguments(inputs, {} if key is None else {"key": key})
-
     def _run_eagerly(self, inputs: Any, key: Hashable) -> Any:
-        args, kwargs = self._arguments(inputs, key)
+        args, kwargs = self._policy.arguments(inputs, key)
         return self.fn(*args, **kwargs)
 
     def _candidates(self, inputs: Any) -> list[Hashable]:
         if self.key_fn is None:
             return [None]
-        key_args, key_kwargs = self._arguments(inputs, None)
+        key_args, key_kwargs = self._policy.arguments(inputs, None)
         keys = self.key_fn(*key_args, **key_kwargs)
         keys = list(keys) if isinstance(keys, (list, tuple)) else [keys]
         unknown = [key for key in keys if key not in self.modes]

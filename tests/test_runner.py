@@ -108,3 +108,23 @@ def test_memory_planning_arguments_are_checked_and_need_a_gpu_where_they_touch_o
             runner.release()
         with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
             runner.estimate_memory()
+
+
+def test_a_dropped_runner_dies_at_once_not_at_a_later_garbage_collection():
+    """Its pool must be let go where the drop happens: a collection that frees it later can fall
+    inside another library's capture, where destroying a pool aborts the process."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            runner = bg.GraphRunner(lambda x: x * 2, torch.zeros(4, 2), progress=False)
+            runner(torch.ones(3, 2))
+            step = bg.graphed(lambda x: x + 1, torch.zeros(2))
+        alive = [weakref.ref(runner), weakref.ref(step), weakref.ref(bg.BreakableCUDAGraph())]
+        del runner, step
+        assert [ref() for ref in alive] == [None, None, None], "a reference cycle keeps it for the collector"
+    finally:
+        gc.enable()
