@@ -55,6 +55,7 @@ def test_an_update_across_topologies_is_refused_with_cuda_s_reason_and_the_execu
     assert str(refused.value).startswith("cudaGraphExecUpdate: cudaErrorGraphExecUpdateFailure")
     executable.update(doubled)
     y.fill_(float("nan"))
+    torch.cuda.synchronize()  # the poison lands before the launch on the other stream
     executable.launch(stream)
     bindings.synchronize(stream)
     torch.testing.assert_close(y, x * 2)

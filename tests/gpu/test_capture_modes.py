@@ -78,9 +78,9 @@ def test_concurrent_captures_in_two_threads():
             assert graph.num_eager_breaks == 2
             checks = []
             for fresh in refills[tag]:
-                x.copy_(fresh)
-                poison_(out)
-                with torch.cuda.stream(stream):
+                with torch.cuda.stream(stream):  # refill and poison in the replay's stream order
+                    x.copy_(fresh)
+                    poison_(out)
                     graph.replay()
                 stream.synchronize()
                 y = torch.softmax(fresh * factor, -1)
