@@ -65,6 +65,7 @@ def test_concurrent_captures_in_two_threads():
             stream = torch.cuda.Stream()
             graph = bg.BreakableCUDAGraph()
             x = inputs[tag].clone()  # not drawn here: the other thread's capture may hold the generator
+            stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 x = x + 0
                 x @ x  # cuBLAS handles are per thread: create this thread's outside the capture
@@ -92,6 +93,7 @@ def test_concurrent_captures_in_two_threads():
 
     inputs = [torch.randn(128, 128, device=DEV) for _ in range(2)]
     refills = [[torch.randn(128, 128, device=DEV) for _ in range(2)] for _ in range(2)]
+    torch.cuda.synchronize()  # drawn on this thread's stream: ready before the threads read them
     threads = [threading.Thread(target=work, args=(i, 1.5 + i)) for i in range(2)]
     for t in threads:
         t.start()
