@@ -3,6 +3,7 @@ releasing and restoring."""
 
 from __future__ import annotations
 
+import enum
 import time
 from typing import Callable, Hashable
 
@@ -14,6 +15,13 @@ from breakgraph.estimate import MemoryEstimate, Probe, extrapolate, probe_sizes
 from breakgraph.pool import PoolUsage, new_pool, pool_bytes
 from breakgraph.policy import CapturePolicy, KeySize
 from breakgraph.sharing import Refusal, share_executables
+
+
+class Released(enum.Enum):
+    """What a released runner gave back: its executables (graphs and pool kept), or everything."""
+
+    EXECUTABLES = "executables"
+    EVERYTHING = "everything"
 
 
 class RunnerMemory:
@@ -28,7 +36,7 @@ class RunnerMemory:
         self.policy, self.keys, self.share = policy, keys, share
         self._pool: runtime.OwnedPool | None = None
         self.refusals: dict[KeySize, list[Refusal]] = {}
-        self.released: str | None = None  # "executables" or "everything" while released
+        self.released: Released | None = None
         self.while_released = "eager"
 
     @property
@@ -89,7 +97,8 @@ class RunnerMemory:
             raise RuntimeError("this GraphRunner is released already: call restore() first")
         runtime.require_cuda("GraphRunner.release")
         taken_bytes, seconds = _measured(self._release_executables if keep_graphs else self._release_everything)
-        self.released, self.while_released = ("executables" if keep_graphs else "everything"), while_released
+        self.released = Released.EXECUTABLES if keep_graphs else Released.EVERYTHING
+        self.while_released = while_released
         return {"freed_bytes": -taken_bytes, "seconds": seconds}
 
     def _release_executables(self) -> None:
@@ -105,7 +114,7 @@ class RunnerMemory:
         """Instantiate the kept graphs again, or capture everything again (``capture_all``)."""
         if self.released is None:
             raise RuntimeError("this GraphRunner is not released: nothing to restore")
-        if self.released == "executables":
+        if self.released is Released.EXECUTABLES:
             taken_bytes, seconds = _measured(self._restore_executables)
         else:
             self.released = None  # capture_all captures only while nothing is released
