@@ -37,6 +37,13 @@ def require_number(name: str, value: Any) -> int | float:
     return value
 
 
+def require_count(name: str, value: Any, least: int = 1) -> int:
+    """A whole number of at least ``least`` (True and False are not numbers here)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name} must be a whole number >= {least}, got {_given(value)}")
+    return value
+
+
 def require_choice(name: str, value: Any, choices: Iterable[str]) -> str:
     """One of ``choices``."""
     choices = tuple(choices)

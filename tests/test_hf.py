@@ -292,3 +292,17 @@ def test_end_tokens_default_to_the_generation_config_as_transformers_does(model)
     finally:
         model.generation_config.eos_token_id = None
         model.set_attn_implementation(hf.ATTENTION)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"max_length": "64"}, r"max_length must be a whole number >= 2, got '64' \(str\)"),
+        ({"max_length": 64, "max_batch_size": 0}, r"max_batch_size must be a whole number >= 1, got 0"),
+        ({"max_length": 64, "mode": "piecewise"}, r"mode must be one of 'breakable', 'full', got 'piecewise'"),
+    ],
+)
+def test_the_generator_s_options_are_checked_before_anything_is_allocated(model, options, message):
+    model.set_attn_implementation(hf.ATTENTION)
+    with pytest.raises(ValueError, match=message):
+        hf.Generator(model, progress=False, **options)

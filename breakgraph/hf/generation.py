@@ -9,6 +9,7 @@ import torch
 from transformers import PreTrainedModel
 
 import breakgraph as bg
+from breakgraph.checks import require_choice, require_count
 from breakgraph.hf.cache import KVCache
 from breakgraph.hf.end_tokens import EndTokens
 from breakgraph.hf.registration import ATTENTION, generating_into
@@ -60,6 +61,9 @@ class Generator:
         debug: bool | None = None,
         measure_memory: bool = False,
     ):
+        require_count("max_length", max_length, least=2)
+        require_count("max_batch_size", max_batch_size)
+        require_choice("mode", mode, ("breakable", "full"))
         if not model.is_backend_compatible():
             raise ValueError(
                 f"{type(model).__name__} does not route its attention through transformers' AttentionInterface, "
