@@ -11,6 +11,7 @@ import shutil
 import statistics
 import subprocess
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -19,7 +20,13 @@ from breakgraph.graph import BreakableCUDAGraph
 from breakgraph.tables import format_table
 
 
-def captured_graph(graph, what: str) -> BreakableCUDAGraph:
+class HoldsGraph(Protocol):
+    """A graphed callable (``bg.graphed(...)``), seen through its ``graph``: None where it runs eagerly."""
+
+    graph: BreakableCUDAGraph | None
+
+
+def captured_graph(graph: "BreakableCUDAGraph | HoldsGraph", what: str) -> BreakableCUDAGraph:
     """``graph`` (or a graphed callable's ``.graph``) once it holds a capture; otherwise an
     error that says what ``what`` needs."""
     if not isinstance(graph, BreakableCUDAGraph):
@@ -51,7 +58,7 @@ def summary_rows(graph) -> list[dict]:
     ]
 
 
-def summary(graph: "BreakableCUDAGraph | breakgraph.GraphedCallable", print_table: bool = True) -> str:
+def summary(graph: "BreakableCUDAGraph | HoldsGraph", print_table: bool = True) -> str:
     """A table of ``graph``'s segments: kind, name, nodes, side streams, bytes written back.
 
     Arguments:
@@ -74,7 +81,7 @@ def summary(graph: "BreakableCUDAGraph | breakgraph.GraphedCallable", print_tabl
 # -- DOT export ----------------------------------------------------------------------
 
 
-def to_dot(graph: "BreakableCUDAGraph | breakgraph.GraphedCallable", directory: str | Path, render: bool = True) -> list[Path]:
+def to_dot(graph: "BreakableCUDAGraph | HoldsGraph", directory: str | Path, render: bool = True) -> list[Path]:
     """Write ``segment_<i>.dot`` per graph segment (CUDA's own DOT export) and
     ``overview.dot`` for the chain of segments and breaks; return the paths written.
 
@@ -119,7 +126,7 @@ def to_dot(graph: "BreakableCUDAGraph | breakgraph.GraphedCallable", directory: 
 # -- profiling ----------------------------------------------------------------------
 
 
-def profile(graph: "BreakableCUDAGraph | breakgraph.GraphedCallable", iters: int = 20, warmup: int = 3) -> list[dict]:
+def profile(graph: "BreakableCUDAGraph | HoldsGraph", iters: int = 20, warmup: int = 3) -> list[dict]:
     """Time every segment of ``graph`` with CUDA events around it.
 
     Returns one row per segment with mean, p50 and p99 in microseconds and its

@@ -10,7 +10,7 @@ import torch
 
 from breakgraph import diagnostics, runtime
 from breakgraph.batches import StaticInputs, live_rows
-from breakgraph.checks import require_bool, require_callable, require_choice
+from breakgraph.checks import require_bool, require_callable, require_choice, require_count
 from breakgraph.estimate import MemoryEstimate
 from breakgraph.graph import BreakableCUDAGraph
 from breakgraph.memory import RunnerMemory
@@ -201,8 +201,7 @@ class GraphRunner:
         Arguments:
             probes (int, optional): how many sizes per key to capture, at least 2. Default: 5.
         """
-        if isinstance(probes, bool) or not isinstance(probes, int) or probes < 2:
-            raise ValueError(f"probes must be a whole number >= 2 (the largest and the smallest size at least), got {probes!r}")
+        require_count("probes", probes, least=2)  # the largest size and the smallest at least
         if self.eager_reason is None:
             self.inputs.require_cuda()
         return self._memory.estimate(self.sizes_by_key, probes)
