@@ -12,7 +12,7 @@ from breakgraph.breaks import LifetimeWarning
 from breakgraph.capture import BreakableCUDAGraphCapture
 from breakgraph.context import is_capturing
 from breakgraph.debug import SegmentError
-from breakgraph.dispatch import UncapturableOpError
+from breakgraph.dispatch import CaptureInvalidatedError, UncapturableOpError
 from breakgraph.eager import break_graph, eager_on_graph
 from breakgraph.graph import BreakableCUDAGraph
 from breakgraph.graphed import FrozenOutputWarning, GraphedCallable, graphed
@@ -30,6 +30,7 @@ __all__ = [
     "BreakableCUDAGraph",
     "BreakableCUDAGraphCapture",
     "CaptureAgreement",
+    "CaptureInvalidatedError",
     "CaptureOptions",
     "CudaError",
     "FrozenOutputWarning",

@@ -38,8 +38,9 @@ class BreakableCUDAGraphCapture:
 
     .. warning::
         A device-wide ``torch.cuda.synchronize()`` in any thread while this
-        block captures invalidates the capture (CUDA's rule): synchronize
-        streams, not the device.
+        block captures invalidates the capture (CUDA's rule), and under
+        ``capture_error_mode="global"`` so does any thread's stream
+        synchronize: the block raises :class:`~breakgraph.CaptureInvalidatedError`.
     """
 
     def __init__(

@@ -5,6 +5,8 @@ By default nothing watches the ops: random ops are captured into the segment
 (``.item()``, ``nonzero``, ``print(tensor)``, ``torch.cuda.synchronize()``)
 fails with the refusal turned into an :class:`UncapturableOpError` that
 points at the user's line and says how to fix it (:func:`clearer_error`).
+A capture that CUDA invalidated from outside (another thread's device-wide
+synchronize) fails with a :class:`CaptureInvalidatedError` that says so.
 
 ``random_ops="break"`` opts into the op watch: a ``TorchDispatchMode``, active
 only while a segment records, that turns every op tagged
@@ -48,6 +50,8 @@ _CAPTURE_VIOLATION = re.compile(
     r"|cudaErrorStreamCaptureInvalidated"
 )
 
+_INVALIDATED = re.compile(r"previous error during capture|cudaErrorStreamCaptureInvalidated")
+
 REMEDY = (
     "Move it into a function decorated with @breakgraph.eager_on_graph: that function "
     "runs eagerly between graph segments, at capture and at every replay."
@@ -61,6 +65,17 @@ _LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(module.__file__)) + os.sep
 
 class UncapturableOpError(RuntimeError):
     """An op inside a graph segment cannot be captured into a CUDA graph."""
+
+
+class CaptureInvalidatedError(RuntimeError):
+    """CUDA invalidated a capture from outside the work it recorded: a device-wide
+    synchronize, or work on the legacy default stream, in another thread while it ran."""
+
+
+def is_capture_invalidated(error: BaseException) -> bool:
+    """Whether ``error`` is CUDA reporting a capture an earlier failure invalidated; the
+    first such error a capture raises means the failure was not an op it recorded."""
+    return isinstance(error, RuntimeError) and bool(_INVALIDATED.search(str(error)))
 
 
 def is_capture_violation(error: BaseException) -> bool:
@@ -87,10 +102,12 @@ def uncapturable(what: str, cause: BaseException | None = None) -> UncapturableO
     return UncapturableOpError(f"{what} cannot be captured in a CUDA graph segment{detail}. {REMEDY}")
 
 
-def clearer_error(error: BaseException, random_ops: str) -> UncapturableOpError | None:
+def clearer_error(error: BaseException, random_ops: str) -> RuntimeError | None:
     """CUDA's or torch's bare refusal of an op during capture, as an error that names the
-    user's line and the remedy; None when ``error`` is something else (or already says it)."""
-    if isinstance(error, UncapturableOpError):
+    user's line and the remedy, or CUDA's report of a capture invalidated from outside,
+    as one that names the likely cause; None when ``error`` is something else (or
+    already says it)."""
+    if isinstance(error, (UncapturableOpError, CaptureInvalidatedError)):
         return None
     if is_random_op_refusal(error):
         if random_ops == "error":
@@ -107,6 +124,16 @@ def clearer_error(error: BaseException, random_ops: str) -> UncapturableOpError 
         return UncapturableOpError(
             f"the random op at {_where(error)} cannot be captured with random_ops={random_ops!r} "
             f"({error}). {fix}, or move it into an @breakgraph.eager_on_graph function."
+        )
+    if is_capture_invalidated(error):
+        return CaptureInvalidatedError(
+            f"the CUDA capture was invalidated from outside the work it recorded ({error}). Most often another "
+            "thread synchronized while it ran: a device-wide torch.cuda.synchronize() invalidates a capture in "
+            "every capture mode (torch.cuda.graph's too), and under capture_error_mode='global' (the default) so "
+            "does any call CUDA deems unsafe in any thread, a stream's synchronize() included. Capture with "
+            "capture_error_mode='thread_local' while other threads work, have them synchronize their own streams "
+            "or events rather than the device, and capture again: nothing of this capture is left behind. If this "
+            "thread caught an earlier CUDA error of this capture and went on, that error is the cause."
         )
     if is_capture_violation(error):
         return uncapturable(
@@ -169,6 +196,6 @@ class CaptureDispatchMode(TorchDispatchMode):
         try:
             return func(*args, **kwargs)
         except RuntimeError as error:
-            if is_capture_violation(error):
+            if is_capture_violation(error) and not is_capture_invalidated(error):
                 raise uncapturable(str(func), error) from error
             raise

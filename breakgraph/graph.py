@@ -21,7 +21,7 @@ from breakgraph_bindings import CudaError
 from breakgraph import context, debug as debug_mode, recorder, runtime
 from breakgraph.dispatch import clearer_error
 from breakgraph.options import CaptureOptions
-from breakgraph.pool import new_pool, require_pool
+from breakgraph.pool import OwnedPool, new_pool, require_pool
 from breakgraph.segments import Segment
 
 
@@ -40,7 +40,7 @@ class BreakableCUDAGraph:
     def __init__(self, pool: "torch.cuda.MemPool | None" = None, debug: bool | None = None):
         if pool is not None:
             require_pool(pool)
-        self._pool = None if pool is None else runtime.OwnedPool(pool)
+        self._pool = None if pool is None else OwnedPool(pool)
         self._plan: tuple | None = None
         self.debug = debug  # None: BREAKGRAPH_DEBUG decides
         self.check_finite = False
@@ -58,7 +58,7 @@ class BreakableCUDAGraph:
         """The ``torch.cuda.MemPool`` every segment allocates from."""
         if self._pool is None:
             runtime.require_cuda("BreakableCUDAGraph.pool (a torch.cuda.MemPool)")
-            self._pool = runtime.OwnedPool(new_pool())
+            self._pool = OwnedPool(new_pool())
         return self._pool.pool
 
     @property

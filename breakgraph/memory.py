@@ -12,7 +12,7 @@ import torch
 import breakgraph_bindings as bindings
 from breakgraph import runtime
 from breakgraph.estimate import MemoryEstimate, Probe, extrapolate, probe_sizes
-from breakgraph.pool import PoolUsage, new_pool, pool_bytes
+from breakgraph.pool import OwnedPool, PoolUsage, new_pool, pool_bytes
 from breakgraph.policy import CapturePolicy, KeySize
 from breakgraph.sharing import Refusal, share_executables
 
@@ -34,7 +34,7 @@ class RunnerMemory:
 
     def __init__(self, policy: CapturePolicy, keys: list[Hashable], share: bool):
         self.policy, self.keys, self.share = policy, keys, share
-        self._pool: runtime.OwnedPool | None = None
+        self._pool: OwnedPool | None = None
         self.refusals: dict[KeySize, list[Refusal]] = {}
         self.released: Released | None = None
         self.while_released = "eager"
@@ -46,7 +46,7 @@ class RunnerMemory:
 
     def ensure_pool(self) -> torch.cuda.MemPool:
         if self._pool is None:
-            self._pool = runtime.OwnedPool(new_pool())
+            self._pool = OwnedPool(new_pool())
         return self._pool.pool
 
     def share_among_sizes(self) -> None:

@@ -1,4 +1,20 @@
-"""Glue to torch's caching allocator: one private memory pool per graph, shareable.
+"""Glue to torch's caching allocator: private memory pools, how long they live, and
+what they hold.
+
+Every graph allocates from a private ``torch.cuda.MemPool`` (a runner's graphs
+share one). Two rules keep pools safe and memory honest:
+
+- **No pool dies while a capture runs.** torch destroys a pool by emptying its
+  cache, and a ``cudaFree`` during a capture invalidates it (the process aborts:
+  the error is raised in a destructor). Captures hold :func:`captures_running`;
+  a pool dropped meanwhile is parked and let go when the last capture ends.
+- **A dropped pool gives its memory back.** torch frees a dead pool's cached
+  memory at once, except the blocks a user still holds (a graph's outputs);
+  those go back to the dead pool's cache when the user drops them, where only
+  an emptying of the allocator's cache reaches them. ``torch.cuda.graph``
+  empties the whole cache before every capture; breakgraph empties only dead
+  pools' caches (:func:`return_dropped_memory`), at every pool drop and capture
+  start.
 
 What a pool holds is read from the allocator's global snapshot, filtered by
 pool id, as torch's own cudagraph trees read it. ``MemPool.snapshot()`` and
@@ -10,7 +26,11 @@ graphs crashed in debug mode or in ``GraphRunner.report()``.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import inspect
+import sys
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +40,99 @@ def new_pool() -> "torch.cuda.MemPool":
     """A fresh private pool. While it is alive its cached blocks are never handed to
     allocations outside it, so the addresses a replay writes stay reserved."""
     return torch.cuda.MemPool()
+
+
+_lock = threading.RLock()  # taken to start or end any capture, and to drop a pool
+_captures = 0  # captures running, on all threads
+_collector_was_enabled = False
+_parked: list = []  # pools dropped while captures ran
+_devices: set[int] = set()  # devices breakgraph's pools live on
+_routed_to: dict[int, "torch.cuda.MemPool"] = {}  # per device: a pool only ever routed to, never allocated from
+_dropped = False  # whether a pool has died, so that memory may wait in dead pools' caches
+
+
+@contextlib.contextmanager
+def captures_running():
+    """Hold while a capture runs: pools dropped meanwhile are let go when the last
+    capture ends, and Python's cycle collector (which could drop one) stays paused.
+
+    Reference-counted across threads. The first hold returns what dead pools
+    cache to the device, and so does the last release, under the lock, so no
+    capture can start meanwhile.
+    """
+    global _captures, _collector_was_enabled
+    with _lock:
+        if _captures == 0:
+            return_dropped_memory()
+            _collector_was_enabled = gc.isenabled()
+            gc.disable()
+        _captures += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _captures -= 1
+            if _captures == 0:
+                _parked.clear()  # the last references: destroyed here, while no capture can start
+                if _collector_was_enabled:
+                    gc.enable()
+                return_dropped_memory()
+
+
+def release_after_captures(owner, attribute: str) -> None:
+    """Drop ``owner``'s reference to a memory pool (its attribute ``attribute``) where no
+    capture can be running: now, under the lock every capture takes to start, or, while
+    captures run on any thread, when the last one ends."""
+    global _dropped
+    with _lock:
+        owned = owner.__dict__.pop(attribute, None)
+        if owned is None:
+            return
+        _dropped = True
+        if _captures:
+            _parked.append(owned)
+            return
+        del owned  # when this was the last reference, the pool is destroyed here, under the lock
+        return_dropped_memory()
+
+
+def return_dropped_memory() -> None:
+    """Give the device back what dead pools cache: the blocks their graphs' users held
+    when the pools died, and have dropped since.
+
+    It empties the allocator's cache while this thread routes its allocations to a
+    pool of its own on every device breakgraph's pools live on: torch then frees
+    only dead pools' unused segments and leaves the rest of its cache alone. Call it
+    under the lock with no capture running (:func:`captures_running` does): a
+    ``cudaFree`` would invalidate a capture.
+    """
+    if not _dropped or not torch.cuda.is_initialized():
+        return
+    with _lock, contextlib.ExitStack() as routing:
+        for device in sorted(_devices):
+            routing.enter_context(torch.cuda.use_mem_pool(_pool_routed_to(device), device))
+        torch.cuda.empty_cache()
+
+
+def _pool_routed_to(device: int) -> "torch.cuda.MemPool":
+    pool = _routed_to.get(device)
+    if pool is None:
+        with torch.cuda.device(device):
+            pool = _routed_to[device] = torch.cuda.MemPool()
+    return pool
+
+
+class OwnedPool:
+    """One owner's hold on a memory pool (a graph's, a runner's): when the owner drops it,
+    the pool is let go where no capture can be running (:func:`release_after_captures`)."""
+
+    def __init__(self, pool) -> None:
+        self.pool = pool
+        _devices.add(torch.cuda.current_device())
+
+    def __del__(self) -> None:
+        if not sys.is_finalizing():  # at interpreter exit no capture runs, and nothing is given back
+            release_after_captures(self, "pool")
 
 
 _SNAPSHOT_TAKES_TRACES_FLAG = "include_traces" in inspect.signature(torch.cuda.memory_snapshot).parameters

@@ -20,10 +20,10 @@ import torch
 import breakgraph_bindings as bindings
 from breakgraph import context, rng, runtime, streams
 from breakgraph.breaks import record_break, warn_kept_allocations
-from breakgraph.dispatch import CaptureDispatchMode, UncapturableOpError, is_capture_violation
+from breakgraph.dispatch import CaptureDispatchMode, UncapturableOpError, is_capture_invalidated, is_capture_violation
 from breakgraph.naming import function_name
 from breakgraph.options import CaptureOptions
-from breakgraph.pool import PoolUsage
+from breakgraph.pool import PoolUsage, captures_running
 from breakgraph.segments import GraphSegment, Segment, instantiate
 
 _warned_uncooperative = False
@@ -200,7 +200,7 @@ class Recorder:
         try:
             return (function if inline is True else inline)(*args, **kwargs)
         except RuntimeError as error:
-            if not is_capture_violation(error):
+            if not is_capture_violation(error) or is_capture_invalidated(error):
                 raise
             raise UncapturableOpError(f"{name}() cannot be captured inline ({error}); {fix}.") from error
 
@@ -250,9 +250,9 @@ def start(pool, stream: torch.cuda.Stream, options: CaptureOptions, record_addre
     watch = random_ops == "break"
     try:
         scope.enter_context(runtime.claim_capture_stream(stream.device, stream))
-        # Before pool routing, so it is released after it: a MemPool that a collection
-        # frees while allocations are still routed to a pool aborts the process.
-        scope.enter_context(runtime.cycle_collector_paused())
+        # Before pool routing, so it is released after the routing and the CUDA capture
+        # have ended: only then may pools die and dead pools' memory be freed.
+        scope.enter_context(captures_running())
         if random_ops == "graph":
             if not rng.cooperative():
                 _warn_uncooperative()

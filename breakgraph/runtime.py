@@ -1,5 +1,5 @@
-"""What the process offers a capture: the GPU, the environment switches, capture
-streams, and a cycle collector held off while any capture runs.
+"""What the process offers a capture: the GPU, the environment switches and capture
+streams.
 
 Everything here is process-wide (or per thread), so the context manager,
 ``graphed`` and the runner share one copy of it.
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import os
 import threading
 import warnings
@@ -197,63 +196,3 @@ def run_on_stream(stream: torch.cuda.Stream, function: Callable[[], T]) -> T:
         result = function()
     caller.wait_stream(stream)
     return result
-
-
-# Taken to start or end any capture, and to drop a memory pool: torch destroys a MemPool
-# by emptying its cache, which aborts the process while any thread's allocations are
-# routed to a pool, so a pool must never die between a capture's start and its end.
-_gc_lock = threading.RLock()
-_gc_holds = 0
-_gc_was_enabled = False
-_parked: list = []
-
-
-@contextlib.contextmanager
-def cycle_collector_paused():
-    """Keep Python's cycle collector from running, and memory pools from being destroyed,
-    while any capture is active.
-
-    A collection mid-capture can destroy an unrelated ``MemPool``, whose
-    destructor empties the allocator's cache, which torch forbids while any
-    allocation is routed to a pool (the process aborts). Reference-counted
-    across threads; the pools :func:`release_after_captures` parked are let go
-    when the last hold ends, under the lock, so no capture can start meanwhile.
-    """
-    global _gc_holds, _gc_was_enabled
-    with _gc_lock:
-        if _gc_holds == 0:
-            _gc_was_enabled = gc.isenabled()
-            gc.disable()
-        _gc_holds += 1
-    try:
-        yield
-    finally:
-        with _gc_lock:
-            _gc_holds -= 1
-            if _gc_holds == 0:
-                _parked.clear()  # the last references: destroyed here, while no capture can start
-                if _gc_was_enabled:
-                    gc.enable()
-
-
-def release_after_captures(owner, attribute: str) -> None:
-    """Drop ``owner``'s reference to a memory pool (its attribute ``attribute``) where no
-    capture can be running: now, under the lock every capture takes to start, or, while
-    captures are active on any thread, when the last one ends."""
-    with _gc_lock:
-        owned = owner.__dict__.pop(attribute, None)
-        if owned is not None and _gc_holds:
-            _parked.append(owned)
-        del owned  # when this was the last reference, the pool is destroyed here, under the lock
-
-
-class OwnedPool:
-    """One owner's hold on a memory pool (a graph's, a runner's): when the owner drops it,
-    the pool is let go where no capture can be running (:func:`release_after_captures`)."""
-
-    def __init__(self, pool) -> None:
-        self.pool = pool
-
-    def __del__(self) -> None:
-        if release_after_captures is not None:  # None at interpreter exit: nothing to guard
-            release_after_captures(self, "pool")

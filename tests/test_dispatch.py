@@ -2,12 +2,25 @@
 
 import pytest
 
-from breakgraph.dispatch import UncapturableOpError, clearer_error, is_capture_violation, is_random_op_refusal
+import breakgraph_bindings as bindings
+from breakgraph.dispatch import (
+    CaptureInvalidatedError,
+    UncapturableOpError,
+    clearer_error,
+    is_capture_violation,
+    is_random_op_refusal,
+)
 
 CAPTURE_REFUSALS = [
     "CUDA error: operation not permitted when stream is capturing",
-    "CUDA error: operation failed due to a previous error during capture",
     "cudaErrorStreamCaptureUnsupported: operation not permitted when stream is capturing",
+    "CUDA error: operation would make the legacy stream depend on a capturing blocking stream",
+]
+# What a capture reports once something else invalidated it: torch's kernel-launch check,
+# and the end of a segment (cudaErrorStreamCaptureInvalidated is 901).
+INVALIDATIONS = [
+    "CUDA error: operation failed due to a previous error during capture",
+    "cudaStreamEndCapture: cudaErrorStreamCaptureInvalidated: operation failed due to a previous error during capture",
 ]
 RANDOM_REFUSAL = "Attempt to increase offset for a CUDA generator not in capture mode."
 
@@ -42,3 +55,22 @@ def test_other_errors_and_clear_ones_are_left_alone():
     assert clearer_error(raised("shape mismatch"), "graph") is None
     assert clearer_error(ValueError("operation not permitted when stream is capturing"), "graph") is None
     assert clearer_error(UncapturableOpError("already clear"), "graph") is None
+
+
+@pytest.mark.parametrize("message", INVALIDATIONS)
+def test_a_capture_invalidated_from_outside_names_the_device_wide_synchronize_and_the_remedy(message):
+    clearer = clearer_error(raised(message), "graph")
+    assert isinstance(clearer, CaptureInvalidatedError) and not isinstance(clearer, UncapturableOpError)
+    text = str(clearer)
+    assert "invalidated from outside" in text and "torch.cuda.synchronize()" in text and "another thread" in text
+    assert "thread_local" in text and "capture again" in text
+    assert clearer_error(clearer, "graph") is None  # already clear
+
+
+def test_the_end_of_an_invalidated_segment_is_told_apart_by_its_cuda_error():
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError:
+        pytest.skip("cuda-python is not installed")
+    error = bindings.CudaError(int(cudart.cudaError_t.cudaErrorStreamCaptureInvalidated), "cudaStreamEndCapture")
+    assert isinstance(clearer_error(error, "graph"), CaptureInvalidatedError)

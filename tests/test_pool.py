@@ -1,4 +1,5 @@
-"""What a pool holds, read from the allocator's global snapshot and never from torch's per-pool one."""
+"""Pools: what they hold (read from the allocator's global snapshot, never from torch's
+per-pool one), and when dropped ones die and give their memory back."""
 
 import ast
 from pathlib import Path
@@ -76,3 +77,140 @@ def test_no_code_asks_torch_for_one_pools_snapshot():
             if name == "snapshot" or per_pool:
                 offenders.append(f"{path.relative_to(ROOT)}:{call.lineno}")
     assert not offenders, offenders
+
+
+def test_cycle_collector_is_paused_while_captures_run_and_restored_after_the_last():
+    import gc
+
+    assert gc.isenabled()
+    with pool_module.captures_running():
+        with pool_module.captures_running():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+
+
+def test_pools_released_during_a_capture_die_when_the_last_capture_ends():
+    import weakref
+
+    class Pool:
+        pass
+
+    class Owner:
+        def __init__(self):
+            self.pool = Pool()
+
+    with pool_module.captures_running():
+        owner = Owner()
+        alive = weakref.ref(owner.pool)
+        pool_module.release_after_captures(owner, "pool")
+        assert not hasattr(owner, "pool")
+        assert alive() is not None  # parked: a capture is active
+    assert alive() is None
+    owner = Owner()
+    alive = weakref.ref(owner.pool)
+    pool_module.release_after_captures(owner, "pool")
+    assert alive() is None  # no capture active: dropped at once
+    pool_module.release_after_captures(owner, "pool")  # released twice: nothing left to drop
+
+
+def test_a_pool_never_dies_while_another_thread_starts_a_capture():
+    """The pool's destructor runs under the lock a capture takes to start, never beside it."""
+    import threading
+
+    events = []
+
+    class Pool:
+        def __del__(self):
+            events.append("pool destroyed")
+
+    class Owner:
+        pool = None
+
+    owner = Owner()
+    owner.pool = Pool()
+    entered = threading.Event()
+
+    def capture():
+        with pool_module.captures_running():
+            events.append("capture active")
+            entered.set()
+        events.append("capture ended")
+
+    with pool_module._lock:  # as if the pool's release had begun: the capture must wait for it
+        thread = threading.Thread(target=capture)
+        thread.start()
+        assert not entered.wait(0.2)
+        pool_module.release_after_captures(owner, "pool")
+    thread.join()
+    assert events == ["pool destroyed", "capture active", "capture ended"]
+
+
+class FakeAllocator:
+    """torch.cuda's calls that return dropped pools' memory, as a log of what they did."""
+
+    def __init__(self, monkeypatch, devices=(0,)):
+        self.log, self.routed = [], []
+        monkeypatch.setattr(pool_module, "_dropped", False)
+        monkeypatch.setattr(pool_module, "_devices", set(devices))
+        monkeypatch.setattr(pool_module, "_routed_to", {device: f"pool of {device}" for device in devices})
+        monkeypatch.setattr(pool_module.torch.cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(pool_module.torch.cuda, "use_mem_pool", self.use_mem_pool)
+        monkeypatch.setattr(pool_module.torch.cuda, "empty_cache", lambda: self.log.append(("empty_cache", tuple(self.routed))))
+
+    def use_mem_pool(self, pool, device):
+        import contextlib
+
+        @contextlib.contextmanager
+        def routing():
+            self.routed.append(device)
+            yield
+            self.routed.remove(device)
+
+        return routing()
+
+
+class Owner:
+    def __init__(self, log):
+        self.pool = Pool(log)
+
+
+class Pool:
+    def __init__(self, log):
+        self.log = log
+
+    def __del__(self):
+        self.log.append("pool destroyed")
+
+
+def test_nothing_is_emptied_before_a_pool_has_died(monkeypatch):
+    allocator = FakeAllocator(monkeypatch)
+    with pool_module.captures_running():
+        pass
+    pool_module.return_dropped_memory()
+    assert allocator.log == []
+
+
+def test_a_dropped_pool_dies_then_dead_pools_cache_is_emptied_with_every_device_routed(monkeypatch):
+    allocator = FakeAllocator(monkeypatch, devices=(0, 1))
+    pool_module.release_after_captures(Owner(allocator.log), "pool")
+    # Emptied while every device routes to a pool of its own: torch then frees only dead pools' blocks.
+    assert allocator.log == ["pool destroyed", ("empty_cache", (0, 1))]
+
+
+def test_a_pool_dropped_during_a_capture_dies_and_gives_back_when_the_last_capture_ends(monkeypatch):
+    allocator = FakeAllocator(monkeypatch)
+    owner = Owner(allocator.log)
+    with pool_module.captures_running():
+        with pool_module.captures_running():
+            pool_module.release_after_captures(owner, "pool")
+        assert allocator.log == []  # parked: no cudaFree while a capture runs
+    assert allocator.log == ["pool destroyed", ("empty_cache", (0,))]
+
+
+def test_every_capture_start_gives_back_what_dead_pools_cached_since(monkeypatch):
+    allocator = FakeAllocator(monkeypatch)
+    pool_module.release_after_captures(Owner(allocator.log), "pool")
+    allocator.log.clear()
+    with pool_module.captures_running():  # the user may have dropped a dead graph's outputs by now
+        assert allocator.log == [("empty_cache", (0,))]

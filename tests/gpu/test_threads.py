@@ -1,6 +1,7 @@
 """Several threads capturing at once on one device, under each capture mode that lets them and
 each way of treating random ops; every replay checked against eager, 20 rounds in a row."""
 
+import contextlib
 import itertools
 
 import pytest
@@ -127,3 +128,55 @@ def test_two_captures_on_one_stream_at_once_fail_clearly_and_the_first_goes_on()
     _check_scaled(graph_a, x_a, out_a)
     graph_b, out_b, _ = _capture_scaled(x_b, buf_b, stream=stream)  # the stream is free again
     _check_scaled(graph_b, x_b, out_b)
+
+
+SYNCS = {
+    "the device": lambda: torch.cuda.synchronize(),
+    "another stream": lambda: torch.cuda.Stream().synchronize(),
+}
+# (what thread B synchronizes, capture mode) -> whether CUDA invalidates thread A's capture
+INVALIDATES = {
+    ("the device", "global"): True,
+    ("the device", "thread_local"): True,
+    ("the device", "relaxed"): True,
+    ("another stream", "global"): True,  # any unsafe call in any thread, under global mode
+    ("another stream", "thread_local"): False,
+    ("another stream", "relaxed"): False,
+}
+
+
+@pytest.mark.parametrize("synchronized, mode", list(INVALIDATES))
+def test_a_synchronize_in_another_thread_mid_capture_fails_clearly_or_not_at_all_and_the_next_capture_works(
+    synchronized, mode
+):
+    x, buf = torch.randn(1024, device="cuda"), torch.empty(1024, device="cuda")
+    outcome = {}
+
+    def capturing(barrier):
+        graph = bg.BreakableCUDAGraph()
+        try:
+            with bg.BreakableCUDAGraphCapture(graph, capture_error_mode=mode):
+                buf.copy_(x)
+                scale_in_place(buf, 3.0)  # a break, then the segment the other thread meets
+                barrier.wait()  # B synchronizes now
+                barrier.wait()
+                out = buf + 1.0
+            outcome["captured"] = (graph, out)
+        except bg.CaptureInvalidatedError as error:
+            outcome["error"] = error
+
+    def synchronizing(barrier):
+        barrier.wait()
+        with contextlib.suppress(RuntimeError):  # CUDA refuses B's call too, where it invalidates
+            SYNCS[synchronized]()
+        barrier.wait()
+
+    run_together([capturing, synchronizing])
+    if INVALIDATES[(synchronized, mode)]:
+        text = str(outcome["error"])
+        assert "invalidated from outside" in text and "torch.cuda.synchronize()" in text and "thread_local" in text
+    else:
+        graph, out = outcome["captured"]
+        _check_scaled(graph, x, out)
+    graph, out, _ = _capture_scaled(x, buf)  # nothing was left behind
+    _check_scaled(graph, x, out)
