@@ -154,7 +154,7 @@ def test_a_shared_pool_goes_back_when_the_last_graph_sharing_it_goes():
     second.replay()
     assert_close(second_out, body(fresh, w), 1e-4, 1e-4)
     assert holds(pool_id, address)
-    del second, second_out
+    del second_out, second  # the output first: the pool dies holding nothing, so all of it goes at once
     assert not holds(pool_id, address) and not caches(pool_id)
 
 
