@@ -74,9 +74,9 @@ def captures_running():
             _captures -= 1
             if _captures == 0:
                 _parked.clear()  # the last references: destroyed here, while no capture can start
+                return_dropped_memory()
                 if _collector_was_enabled:
                     gc.enable()
-                return_dropped_memory()
 
 
 def release_after_captures(owner, attribute: str) -> None:
@@ -102,16 +102,25 @@ def return_dropped_memory() -> None:
 
     It empties the allocator's cache while this thread routes its allocations to a
     pool of its own on every device breakgraph's pools live on: torch then frees
-    only dead pools' unused segments and leaves the rest of its cache alone. Call it
-    under the lock with no capture running (:func:`captures_running` does): a
-    ``cudaFree`` would invalidate a capture.
+    only dead pools' unused segments and leaves the rest of its cache alone. No
+    pool may die meanwhile (torch aborts the process when a pool dies while any
+    allocation is routed), so it holds the lock every pool drop takes and keeps
+    the cycle collector off. It runs where no capture of breakgraph's does: a
+    ``cudaFree`` would invalidate it.
     """
     if not _dropped or not torch.cuda.is_initialized():
         return
-    with _lock, contextlib.ExitStack() as routing:
-        for device in sorted(_devices):
-            routing.enter_context(torch.cuda.use_mem_pool(_pool_routed_to(device), device))
-        torch.cuda.empty_cache()
+    with _lock:
+        collector = gc.isenabled()
+        gc.disable()
+        try:
+            with contextlib.ExitStack() as routing:
+                for device in sorted(_devices):
+                    routing.enter_context(torch.cuda.use_mem_pool(_pool_routed_to(device), device))
+                torch.cuda.empty_cache()
+        finally:
+            if collector:
+                gc.enable()
 
 
 def _pool_routed_to(device: int) -> "torch.cuda.MemPool":

@@ -2,6 +2,7 @@
 per-pool one), and when dropped ones die and give their memory back."""
 
 import ast
+import gc
 from pathlib import Path
 
 import pytest
@@ -156,7 +157,12 @@ class FakeAllocator:
         monkeypatch.setattr(pool_module, "_routed_to", {device: f"pool of {device}" for device in devices})
         monkeypatch.setattr(pool_module.torch.cuda, "is_initialized", lambda: True)
         monkeypatch.setattr(pool_module.torch.cuda, "use_mem_pool", self.use_mem_pool)
-        monkeypatch.setattr(pool_module.torch.cuda, "empty_cache", lambda: self.log.append(("empty_cache", tuple(self.routed))))
+        monkeypatch.setattr(pool_module.torch.cuda, "empty_cache", self.empty_cache)
+
+    def empty_cache(self):
+        # No collection may run while allocations are routed: a pool it destroyed would abort the process.
+        assert not gc.isenabled()
+        self.log.append(("empty_cache", tuple(self.routed)))
 
     def use_mem_pool(self, pool, device):
         import contextlib
