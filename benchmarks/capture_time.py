@@ -1,8 +1,10 @@
 """Capture time: regions with N breaks, and an engine's start-up at 35 batch sizes.
 
 Part 1, side by side in one run: breakgraph (one BreakableCUDAGraphCapture,
-with its default settings, and with ``random_ops="error"`` (no generator
-armed) and ``random_ops="break"`` (the opt-in op watch));
+with its default settings, which watch the ops for random ones, and with
+``random_ops="error"`` (no watch) and ``random_ops="break"`` (random ops as
+breaks)); ``graphed(fn, x, warmup=0)`` (the callable form, which captures
+without the watch until it meets a random op);
 one torch.cuda.CUDAGraph per segment through capture_begin/capture_end (vLLM's
 way); one torch.cuda.graph(...) context per segment (how Meta's library
 captures a segment); Meta's library itself (breakable_cuda_graphs, the
@@ -63,6 +65,17 @@ def capture_breakgraph(n, x, pool, random_ops="graph"):
             x.add_(1)
             noop()
     return graph.replay
+
+
+def capture_graphed(n, x):
+    """The callable form: no warm-up, and no random op, so no op watch."""
+
+    def region(t):
+        for _ in range(n):
+            t.add_(1)
+            noop()
+
+    return bg.graphed(region, x, warmup=0).replay
 
 
 def capture_begin_end(n, x, pool, stream):
@@ -132,7 +145,8 @@ def break_count_rows(sizes, repeats, meta_library) -> list[dict]:
     makers = {
         "breakgraph": lambda n: capture_breakgraph(n, x, None),
         "breakgraph, random_ops='error'": lambda n: capture_breakgraph(n, x, None, random_ops="error"),
-        "breakgraph, random_ops='break' (op watch)": lambda n: capture_breakgraph(n, x, None, random_ops="break"),
+        "breakgraph, random_ops='break'": lambda n: capture_breakgraph(n, x, None, random_ops="break"),
+        "breakgraph graphed(fn, warmup=0)": lambda n: capture_graphed(n, x),
         "capture_begin/capture_end per segment": lambda n: capture_begin_end(n, x, torch.cuda.graph_pool_handle(), stream),
         "torch.cuda.graph context per segment": lambda n: graph_context_per_segment(n, x, torch.cuda.graph_pool_handle(), stream),
         "bare cuda.bindings capture per segment (floor)": lambda n: capture_bare(n, x, stream),
@@ -156,7 +170,7 @@ def break_count_rows(sizes, repeats, meta_library) -> list[dict]:
         rows += [{"breaks": n, "variant": name, "capture_ms": round(value, 2)} for name, value in ms.items()]
         context, begin_end = ms["torch.cuda.graph context per segment"], ms["capture_begin/capture_end per segment"]
         floor = ms["bare cuda.bindings capture per segment (floor)"]
-        for name in ("breakgraph", "breakgraph, random_ops='error'", "breakgraph, random_ops='break' (op watch)"):
+        for name in ("breakgraph", "breakgraph, random_ops='error'", "breakgraph, random_ops='break'", "breakgraph graphed(fn, warmup=0)"):
             ratios = (
                 f"{name}: context-per-segment/it {context / ms[name]:.2f}x; "
                 f"begin-end/it {begin_end / ms[name]:.2f}x; it/floor {ms[name] / floor:.2f}x"

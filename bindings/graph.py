@@ -29,6 +29,15 @@ class Graph:
         self.handle = handle
         self._finalizer = weakref.finalize(self, _destroy_quietly, cudart.cudaGraphDestroy, handle)
 
+    @classmethod
+    def borrowed(cls, handle: int) -> "Graph":
+        """A ``cudaGraph_t`` another owner destroys (torch's ``CUDAGraph``): counted, printed
+        and instantiated here, never destroyed."""
+        graph = cls.__new__(cls)
+        graph.handle = cudart.cudaGraph_t(init_value=int(handle))
+        graph._finalizer = None
+        return graph
+
     @property
     def num_nodes(self) -> int:
         """Number of nodes in the graph (``cudaGraphGetNodes``)."""
@@ -45,12 +54,14 @@ class Graph:
         check(cudart.cudaGraphDebugDotPrint(self.handle, os.fsencode(path), int(flags)), "cudaGraphDebugDotPrint")
 
     def destroy(self) -> None:
-        """Destroy now rather than at garbage collection; later calls do nothing."""
-        self._finalizer()
+        """Destroy now rather than at garbage collection; later calls do nothing (nor does
+        any call on a borrowed graph)."""
+        if self._finalizer is not None:
+            self._finalizer()
 
     @property
     def alive(self) -> bool:
-        return self._finalizer.alive
+        return self._finalizer is None or self._finalizer.alive
 
 
 class GraphUpdateRefused(CudaError):

@@ -38,8 +38,8 @@ class ActiveCapture(Protocol):
         variant, or True for ``function`` itself) inside the open segment instead."""
 
     def random_op(self, op: Callable, args: tuple, kwargs: dict) -> Any:
-        """Run a random op the op watch met inside a segment: captured from armed
-        generators, or as an eager break."""
+        """Run a random op the op watch met inside a segment: in a segment torch records,
+        or as an eager break."""
 
 
 _active: ContextVar[Optional[ActiveCapture]] = ContextVar("breakgraph_capture", default=None)
@@ -79,3 +79,23 @@ def full_graph_warmup():
         yield
     finally:
         _full_graph_warmup.reset(token)
+
+
+_op_watch_skipped: ContextVar[bool] = ContextVar("breakgraph_op_watch_skipped", default=False)
+
+
+def op_watch_skipped() -> bool:
+    """True while :func:`skip_op_watch` is active in this context."""
+    return _op_watch_skipped.get()
+
+
+@contextlib.contextmanager
+def skip_op_watch():
+    """A capture begun here does not watch its ops for random ones (the watch costs a
+    Python call per op): for a caller that saw its function draw none when it ran
+    eagerly, and that captures again with the watch if a random op is refused."""
+    token = _op_watch_skipped.set(True)
+    try:
+        yield
+    finally:
+        _op_watch_skipped.reset(token)

@@ -1,20 +1,19 @@
 """What a capture does with single torch ops that cannot be recorded as they are.
 
-By default nothing watches the ops: random ops are captured into the segment
-(:mod:`breakgraph.rng`), and an op that CUDA or torch refuses during capture
-(``.item()``, ``nonzero``, ``print(tensor)``, ``torch.cuda.synchronize()``)
+The op watch is a ``TorchDispatchMode``, active only while a segment
+records: it hands every op tagged ``nondeterministic_seeded`` to the capture
+(which records it in a segment torch captures, :mod:`breakgraph.rng`, or
+makes it an eager break with ``random_ops="break"``) and names host-sync ops
+before they reach CUDA. It costs a Python call per op at capture, so it is on
+only where random ops may come: ``random_ops="error"`` and callables whose
+warm-up drew nothing capture without it.
+
+Without it, an op that CUDA or torch refuses during capture (``.item()``,
+``nonzero``, ``print(tensor)``, ``torch.cuda.synchronize()``, a random op)
 fails with the refusal turned into an :class:`UncapturableOpError` that
 points at the user's line and says how to fix it (:func:`clearer_error`).
 A capture that CUDA invalidated from outside (another thread's device-wide
 synchronize) fails with a :class:`CaptureInvalidatedError` that says so.
-
-``random_ops="break"`` opts into the op watch: a ``TorchDispatchMode``, active
-only while a segment records, that turns every op tagged
-``nondeterministic_seeded`` into an eager break and names host-sync ops
-before they reach CUDA. It costs a Python call per op at capture; it serves
-torch versions whose generators cannot be armed for raw captures, and
-captures that start while another capture holds the generators (their
-first random op waits for them).
 """
 
 from __future__ import annotations
@@ -83,9 +82,17 @@ def is_capture_violation(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and bool(_CAPTURE_VIOLATION.search(str(error)))
 
 
-def is_random_op_refusal(error: BaseException) -> bool:
-    """Whether ``error`` is torch's CUDA generator refusing a random op it was not armed for."""
-    return isinstance(error, RuntimeError) and "CUDA generator not in capture mode" in str(error)
+# torch's refusal of a random op in a capture that has no graph-safe state for its generator:
+# 2.11 and earlier ("... CUDA generator not in capture mode"), 2.12 and 2.13 ("RNG op during
+# graph capture but generator is not registered with the capturing graph"), 2.14 ("RNG op
+# during graph capture but could not find the CUDAGraph object").
+_RANDOM_REFUSAL = re.compile(r"CUDA generator not in capture mode|RNG op during graph capture")
+
+
+def is_random_op_refusal(error: BaseException | None) -> bool:
+    """Whether ``error`` is torch refusing a random op in a capture that cannot draw from
+    its generator (a capture torch did not begin, or a generator it does not know)."""
+    return isinstance(error, RuntimeError) and bool(_RANDOM_REFUSAL.search(str(error)))
 
 
 def _where(error: BaseException) -> str:
@@ -117,8 +124,8 @@ def clearer_error(error: BaseException, random_ops: str) -> RuntimeError | None:
             )
         else:
             fix = (
-                "It draws from a generator this capture did not arm (only the device's default "
-                "generator is armed unless you pass generators=[...]): pass the generator in "
+                "It draws from a generator the capture was not given (only the device's default "
+                "generator is, unless you pass generators=[...]): pass the generator in "
                 "generators= to the capture, graphed or GraphRunner"
             )
         return UncapturableOpError(
@@ -172,11 +179,11 @@ def _kind(func) -> int:
 
 
 class CaptureDispatchMode(TorchDispatchMode):
-    """The opt-in op watch, active for the whole capture; it acts only while a segment records.
+    """The op watch, active for the whole capture; it acts only while a segment records.
 
     Random ops go to the capture (:meth:`ActiveCapture.random_op`), which
-    makes them eager breaks, or captures them once it has armed the
-    generators; host-sync ops are named before they reach CUDA.
+    records them in a segment torch captures, or makes them eager breaks;
+    host-sync ops are named before they reach CUDA.
     """
 
     def __init__(self, capture: ActiveCapture):

@@ -40,12 +40,14 @@ class BreakableCUDAGraph:
     def __init__(self, pool: "torch.cuda.MemPool | None" = None, debug: bool | None = None):
         if pool is not None:
             require_pool(pool)
+        # Before the pool, so a dropped graph lets its segments go first: segments torch
+        # captured hold the pool in torch's allocator, and the pool gives its memory back
+        # as it dies only when nothing holds it there.
+        self._segments: tuple[Segment, ...] = ()
         self._pool = None if pool is None else OwnedPool(pool)
         self._plan: tuple | None = None
         self.debug = debug  # None: BREAKGRAPH_DEBUG decides
         self.check_finite = False
-        self._segments: tuple[Segment, ...] = ()
-        self._refill_generators = None
         self._before_replay = self._after_replay = None
         self._first_segment = 0
         self._device = None
@@ -103,9 +105,10 @@ class BreakableCUDAGraph:
 
     @property
     def draws_random_numbers(self) -> bool:
-        """Whether segments captured random ops: each replay then first refills and
-        advances the armed generators, as ``torch.cuda.CUDAGraph.replay`` does."""
-        return self._refill_generators is not None
+        """Whether segments captured random ops: torch captured those segments, and each
+        replay of one refills and advances the generators, as ``torch.cuda.CUDAGraph.replay``
+        does."""
+        return any(segment.draws_random_numbers for segment in self._segments)
 
     # -- capture ------------------------------------------------------------------------
     def capture_begin(self, *, options: CaptureOptions | None = None, **capture_options: Any) -> None:
@@ -153,7 +156,6 @@ class BreakableCUDAGraph:
             raise
         self._segments = recording.segments
         self._device = recording.device
-        self._refill_generators = recording.refill_generators
         self._build_plan()
 
     def capture_abort(self) -> None:
@@ -221,7 +223,7 @@ class BreakableCUDAGraph:
         segment_steps = [segment.launcher() for segment in self._segments]
         if self.debug:
             segment_steps = debug_mode.checked(self._segments, segment_steps, lambda: self.check_finite)
-        steps = [_hook(self._before_replay), _hook(self._refill_generators), *segment_steps, _hook(self._after_replay)]
+        steps = [_hook(self._before_replay), *segment_steps, _hook(self._after_replay)]
         self._plan = tuple(step for step in steps if step is not None)
         self._first_segment = self._plan.index(segment_steps[0]) if segment_steps else 0
 
@@ -251,7 +253,6 @@ class BreakableCUDAGraph:
         for segment in self._segments:
             segment.release()
         self._segments = ()
-        self._refill_generators = None
         self._plan, self._released = None, False
         self._first_segment = 0
 
@@ -283,8 +284,8 @@ def _default_stream_handle(device_index: int) -> int:
 
 
 def _hook(hook):
-    """A call the replay makes beside its segments (a user's hook, the generators' refill)
-    as a plan step (``launch(stream)``), or None when there is none."""
+    """A call the replay makes beside its segments (a user's hook) as a plan step
+    (``launch(stream)``), or None when there is none."""
     if hook is None:
         return None
 

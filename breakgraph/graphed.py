@@ -15,9 +15,10 @@ from typing import Any, Callable
 
 import torch
 
-from breakgraph import context, runtime, trees
+from breakgraph import context, rng, runtime, trees
 from breakgraph.capture import BreakableCUDAGraphCapture
 from breakgraph.checks import near_miss
+from breakgraph.dispatch import UncapturableOpError, is_random_op_refusal
 from breakgraph.eager import eager_on_graph
 from breakgraph.graph import BreakableCUDAGraph
 from breakgraph.naming import function_name
@@ -50,6 +51,13 @@ class GraphedCallable:
         pool (torch.cuda.MemPool, optional): a pool to share. Default: the graph's own.
         warmup (int, optional): eager runs before the capture. Default: 1.
         warn (bool, optional): warn once when ``fn`` runs eagerly for want of a GPU. Default: True.
+        draws_random_numbers (bool, optional): whether ``fn`` is known to draw random
+            numbers. None (default): the warm-up tells (a draw moves a generator), or a
+            capture that meets a random op it did not watch for, and then captures again.
+
+    With ``random_ops="graph"`` a function that drew nothing is captured without the
+    op watch (the capture costs no Python call per op); should a random op come
+    anyway, the capture is refused by torch and made again with the watch.
     """
 
     def __init__(
@@ -63,6 +71,7 @@ class GraphedCallable:
         pool: torch.cuda.MemPool | None = None,
         warmup: int = 1,
         warn: bool = True,
+        draws_random_numbers: bool | None = None,
     ):
         if not callable(fn):
             raise TypeError(f"expected a callable to capture, got {type(fn).__name__}")
@@ -75,6 +84,7 @@ class GraphedCallable:
         if self.debug:  # the whole function is one eager break, whatever the breaks mode
             self.options = dataclasses.replace(self.options, breaks="eager")
         self.output: Any = None
+        self.draws_random_numbers = draws_random_numbers
         self.graph: BreakableCUDAGraph | None = None
         self._write_eager_result = None
         reason = runtime.eager_fallback_reason()
@@ -90,15 +100,30 @@ class GraphedCallable:
 
     def _capture(self, warmup: int) -> None:
         fn, args, kwargs = self.fn, self.args, self.kwargs
-        with runtime.claim_capture_stream(_device_of(args, kwargs)) as stream:
+        device = _device_of(args, kwargs)
+        with runtime.claim_capture_stream(device) as stream:
             # Lazy library initialisation must not happen inside the capture: warm up what it records.
             with context.full_graph_warmup() if self.options.breaks == "inline" else contextlib.nullcontext():
                 for _ in range(warmup):
+                    before = rng.draw_counts(device, self.options.generators)
                     runtime.run_on_stream(stream, lambda: fn(*args, **kwargs))
+                    drew = rng.draw_counts(device, self.options.generators) != before
+                    self.draws_random_numbers = bool(self.draws_random_numbers) or drew
             # Debug mode: the whole function is one eager break, replayed through the same path.
             target = eager_on_graph(fn) if self.debug else fn
+            unwatched = self.options.random_ops == "graph" and not self.draws_random_numbers
+            try:
+                self._capture_on(stream, target, unwatched)
+            except UncapturableOpError as error:
+                if not (unwatched and is_random_op_refusal(error.__cause__)):
+                    raise
+                self.draws_random_numbers = True  # a random op the warm-up did not meet
+                self._capture_on(stream, target, unwatched=False)
+
+    def _capture_on(self, stream: torch.cuda.Stream, target: Callable, unwatched: bool) -> None:
+        with context.skip_op_watch() if unwatched else contextlib.nullcontext():
             with BreakableCUDAGraphCapture(self.graph, stream=stream, options=self.options):
-                self.output = target(*args, **kwargs)
+                self.output = target(*self.args, **self.kwargs)
 
     @property
     def eager(self) -> bool:

@@ -77,12 +77,14 @@ class CaptureOptions(_CaptureChoices):
         capture_error_mode (str, optional): CUDA's capture mode, "global"
             (default), "thread_local" or "relaxed", as for ``torch.cuda.graph``.
         random_ops (str, optional): "graph" (default): random ops are
-            captured into the segments and draw fresh numbers at every replay;
-            "break": every random op becomes an eager break, through an op
-            watch that costs a Python call per op at capture; "error": random
-            ops fail the capture.
-        generators (tuple of torch.Generator, optional): CUDA generators to arm
-            beside the device's default one. Default: none.
+            captured into the segments (torch captures the segments that
+            draw) and draw fresh numbers at every replay; "break": every
+            random op becomes an eager break; "error": random ops fail the
+            capture, which then watches no op (the op watch costs a Python
+            call per op at capture).
+        generators (tuple of torch.Generator, optional): CUDA generators the
+            captured random ops may draw from beside the device's default
+            one. Default: none.
         breaks (str, optional): "eager" (default): every break splits the
             graph; "inline": one full graph, each ``@eager_on_graph`` function
             recording its capturable variant.

@@ -44,6 +44,7 @@ class CapturePolicy:
         self.capture_seconds: dict[KeySize, float] = {}
         self.first_use_seconds: dict[KeySize, float] = {}
         self.warmed_up: set[KeySize] = set()
+        self.draws: dict[Hashable, bool | None] = {}  # per key: whether fn drew random numbers
 
     def arguments(self, inputs: object, key: Hashable) -> tuple[tuple, dict]:
         """How ``fn`` is called on ``inputs``: shaped like the static inputs, and ``key=`` when
@@ -112,6 +113,10 @@ class CapturePolicy:
         args, kwargs = self.arguments(self.inputs.views(size), key)
         breaks = "inline" if self.modes[key] == "full" else "eager"
         options = self.options.capture(breaks, measure)
-        graphed = GraphedCallable(self.fn, args, kwargs, options, debug=self.debug, pool=pool, warmup=warmup, warn=False)
+        graphed = GraphedCallable(
+            self.fn, args, kwargs, options, debug=self.debug, pool=pool, warmup=warmup, warn=False,
+            draws_random_numbers=self.draws.get(key),
+        )
+        self.draws[key] = graphed.draws_random_numbers
         graphed.graph.set_replay_hooks(self.options.before_replay, self.options.after_replay)
         return graphed

@@ -11,7 +11,6 @@ what ``eager``, ``dispatch`` and ``streams`` see through
 from __future__ import annotations
 
 import contextlib
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -24,40 +23,28 @@ from breakgraph.dispatch import CaptureDispatchMode, UncapturableOpError, is_cap
 from breakgraph.naming import function_name
 from breakgraph.options import CaptureOptions
 from breakgraph.pool import PoolUsage, captures_running
-from breakgraph.segments import GraphSegment, Segment, instantiate
+from breakgraph.segments import GraphSegment, Segment, TorchGraphSegment
 
-_warned_uncooperative = False
-
-_ARMING_WAIT_S = 60.0
-"""How long a capture's first random op waits for another capture to release the generators."""
-
-
-def _warn_uncooperative() -> None:
-    global _warned_uncooperative
-    if not _warned_uncooperative:
-        _warned_uncooperative = True
-        warnings.warn(
-            f"breakgraph: random ops (dropout, randn, ...) run as eager breaks on torch {torch.__version__}. "
-            "From torch 2.12 on, only a capture that torch itself begins can draw random numbers inside a "
-            "CUDA graph, and breakgraph captures through cuda.bindings. Every replay still draws fresh "
-            "numbers, at the cost of one break per random op. Pass random_ops='break' to choose this and "
-            "silence this warning; torch 2.11 captures random ops into the graph.",
-            stacklevel=4,
-        )
+_GENERATOR_WAIT_S = 60.0
+"""How long a random op waits for another capture's segment to let the generators go."""
 
 
 @dataclass(frozen=True)
 class Recording:
-    """What a finished capture hands its graph: the segments, the device, and the call that
-    refills the armed generators before each replay (None when no segment drew random numbers)."""
+    """What a finished capture hands its graph: the segments and the device."""
 
     segments: tuple[Segment, ...]
     device: torch.device
-    refill_generators: Callable[[], None] | None
 
 
 class Recorder:
-    """The state of one active capture (one thread, one capture stream)."""
+    """The state of one active capture (one thread, one capture stream).
+
+    A segment is recorded through cuda.bindings until it meets a random op (the
+    op watch reports it: :meth:`random_op`); from that op on, up to the next break
+    or the end, torch records it (:class:`breakgraph.rng.TorchCapture`), since only
+    a capture torch began can draw random numbers that each replay draws afresh.
+    """
 
     def __init__(self, pool, stream: torch.cuda.Stream, options: CaptureOptions, record_addresses: bool):
         self.pool = pool
@@ -67,8 +54,7 @@ class Recorder:
         self.inline = options.breaks == "inline"
         self.barrier = options.barrier_fn
         self.record_addresses = record_addresses
-        self.random: rng.ArmedGenerators | None = None
-        self.arm_when_free = False  # another capture held the generators at the start
+        self.torch_capture: rng.TorchCapture | None = None  # the open segment, when torch records it
         self.segments: list[Segment] = []
         self.segment_open = False
         self.tracker = streams.ForkJoinTracker(
@@ -77,26 +63,43 @@ class Recorder:
             join=streams.original_wait_stream,
             fork=streams.original_wait_stream,
         )
+        self._routing = None  # this thread's allocations routed to the pool, between torch's segments
         self._previous = "start"  # what the next graph segment follows, for its name
         self._scope = contextlib.ExitStack()
+
+    # -- pool routing ------------------------------------------------------------------
+    def route_to_pool(self) -> None:
+        """Route this thread's allocations to the pool (torch routes its own segments')."""
+        if self._routing is None:
+            routing = torch.cuda.use_mem_pool(self.pool, self.stream.device)
+            routing.__enter__()
+            self._routing = routing
+
+    def stop_routing(self) -> None:
+        routing, self._routing = self._routing, None
+        if routing is not None:
+            routing.__exit__(None, None, None)
 
     # -- segment boundaries ----------------------------------------------------------
     def begin_segment(self) -> None:
         bindings.begin_capture(self.stream, self.mode)
         self.segment_open = True
-        if self.random is not None:
-            self.random.point_at_armed_states()
         self.tracker.segment_begun()
 
     def end_segment(self, following: str) -> None:
         """End the open segment and keep its graph: :meth:`finish` instantiates them all."""
         side_streams = self.tracker.segment_ending()
-        if self.random is not None:
-            self.random.point_at_plain_states()
-        graph = bindings.end_capture(self.stream)
         self.segment_open = False
         name = f"graph {self._previous} -> {following}"
-        self.segments.append(GraphSegment(len(self.segments), name, graph, None, 0, side_streams))
+        index = len(self.segments)
+        if self.torch_capture is not None:
+            torch_capture, self.torch_capture = self.torch_capture, None
+            graph = torch_capture.end()
+            self.route_to_pool()
+            self.segments.append(TorchGraphSegment(index, name, graph, rng.borrowed_graph(graph), 0, side_streams))
+        else:
+            graph = bindings.end_capture(self.stream)
+            self.segments.append(GraphSegment(index, name, graph, None, 0, side_streams))
 
     def _instantiated(self) -> list[Segment]:
         """The segments in replay order, numbered again: graphs that captured nothing are
@@ -109,7 +112,7 @@ class Recorder:
                 if segment.num_nodes == 0:
                     segment.release()
                     continue
-                segment.executable, segment.executable_bytes = instantiate(segment.graph, self.stream, self.options.measure_memory)
+                segment.ready(self.stream, self.options.measure_memory)
             segment.index = len(kept)
             kept.append(segment)
         return kept
@@ -150,44 +153,41 @@ class Recorder:
         return result
 
     def random_op(self, op: Callable, args: tuple, kwargs: dict) -> Any:
-        """A random op the op watch met inside a segment: captured from the armed generators
-        (armed now if another capture held them at the start), or else an eager break."""
-        if self.arm_when_free:
-            self._arm_between_segments(str(op))
-        if self.random is not None:
-            return op(*args, **kwargs)
-        return self.run_break(op, args, kwargs, name=f"random {op}")
+        """A random op the op watch met inside a segment: an eager break with
+        ``random_ops="break"``; otherwise recorded by torch, the segment going on in a
+        torch capture from this op if it was not in one already."""
+        if self.options.random_ops == "break":
+            return self.run_break(op, args, kwargs, name=f"random {op}")
+        if self.torch_capture is None:
+            self._go_on_in_torch_capture(str(op))
+        return op(*args, **kwargs)
 
-    def _arm_between_segments(self, what: str) -> None:
-        """Arm the generators for the rest of the capture once the capture that held them
-        at the start releases them: between two segments, so no capture of ours is open.
-
-        A full graph cannot split for that; a capture with ``barrier_fn`` splits but does
-        not wait (its peers may be waiting for it at their barrier).
-        """
-        self.arm_when_free = False
-        fixes = (
-            "on torch 2.11 a generator serves one capture at a time. Let the other capture end first, "
-            "capture this one with random_ops='break' (each random op an eager break), or move the op "
-            "into an @breakgraph.eager_on_graph function."
-        )
-        if self.inline:
-            raise UncapturableOpError(
-                f"{what} draws random numbers, but another capture holds the CUDA generator armed, and a "
-                f"full-graph capture cannot split to wait for it: {fixes}"
-            )
-        self.end_segment(following="arming generators")
-        wait = _ARMING_WAIT_S if self.barrier is None else 0.0
-        busy = None
+    def _go_on_in_torch_capture(self, what: str) -> None:
+        """End the segment at ``what``, the first random op in it, and go on in one that torch
+        records: between the two no capture of ours is open, so waiting for another
+        capture's segment to let the generators go is safe. A capture with ``barrier_fn``
+        does not wait (its peers may be waiting for it at their barrier)."""
+        self.end_segment(following=what)
+        self._previous = what
+        wait = _GENERATOR_WAIT_S if self.barrier is None else 0.0
+        self.stop_routing()
         try:
-            self.random = rng.ArmedGenerators.off_thread(self.stream.device, self.options.generators, self.stream, wait=wait)
-        except rng.GeneratorBusy as error:
-            busy = error
-        self._previous = "arming generators"
-        self.begin_segment()  # the capture stays whole, also when the caller goes on after the error
-        if busy is not None:
+            mode = self.mode.name.lower()  # as torch spells it
+            self.torch_capture = rng.TorchCapture(self.pool, self.stream.device, mode, self.options.generators, wait)
+        except rng.GeneratorBusy as busy:
+            self.route_to_pool()
+            self.begin_segment()  # the capture stays whole, also when the caller goes on after the error
             peers = "" if wait else " (a capture with barrier_fn does not wait: its peers may be waiting for it)"
-            raise UncapturableOpError(f"{what} draws random numbers, but {busy}{peers}: {fixes}")
+            raise UncapturableOpError(
+                f"{what} draws random numbers, but {busy}{peers}. A generator serves one capture's segment at a "
+                "time: let the other capture end first, capture this one with random_ops='break' (each random "
+                "op an eager break), or move the op into an @breakgraph.eager_on_graph function."
+            ) from busy
+        except BaseException:
+            self.route_to_pool()
+            raise
+        self.segment_open = True
+        self.tracker.segment_begun()
 
     def _run_inline(self, name: str, function: Callable, inline, args: tuple, kwargs: dict) -> Any:
         fix = "capture with breaks='eager' (the breakable mode) for this key"
@@ -208,61 +208,49 @@ class Recorder:
     def finish(self) -> Recording:
         """End the last segment and close the capture's scope; the recording is the caller's now."""
         try:
-            drawn = self.random is not None and self.random.drawn()  # asked while the last segment records
             self.end_segment(following="end")
             if self.barrier is not None:
                 self.barrier()
-            random, self.random = self.random, None
-            refill = random.disarm(keep=drawn) if random is not None else None
             segments = self._instantiated()
         except BaseException:
             self.abort()
             raise
         self._scope.close()
         self.segments = []
-        return Recording(tuple(segments), self.stream.device, refill)
+        return Recording(tuple(segments), self.stream.device)
 
     def abort(self) -> None:
         """End a half-done capture, destroy what it made and close its scope; never raises
         (the error that caused the abort is the one to report)."""
         began, self.segment_open = self.segment_open, False
-        if began:  # only a capture this recorder began: another may be under way on the same stream
+        torch_capture, self.torch_capture = self.torch_capture, None
+        if torch_capture is not None:
+            torch_capture.abort()
+        elif began:  # only a capture this recorder began: another may be under way on the same stream
             bindings.discard_capture(self.stream)
         for segment in self.segments:
             segment.release()
         self.segments = []
-        if self.random is not None:
-            random, self.random = self.random, None
-            with contextlib.suppress(Exception):
-                random.disarm(keep=False)
         bindings.clear_last_error()
         self._scope.close()
 
 
 def start(pool, stream: torch.cuda.Stream, options: CaptureOptions, record_addresses: bool) -> Recorder:
-    """Open a capture on ``stream`` (already the current stream) into ``pool``: arm the
-    generators, route allocations to the pool, pause the cycle collector, hook
-    ``wait_stream``, make the recorder this thread's active capture, and begin the
-    first segment."""
+    """Open a capture on ``stream`` (already the current stream) into ``pool``: route
+    allocations to the pool, pause the cycle collector, hook ``wait_stream``, make the
+    recorder this thread's active capture, watch the ops where random ones may come,
+    and begin the first segment."""
     recorder = Recorder(pool, stream, options, record_addresses)
     scope = recorder._scope
     random_ops = options.random_ops
-    watch = random_ops == "break"
+    watch = random_ops == "break" or (random_ops == "graph" and not context.op_watch_skipped())
     try:
         scope.enter_context(runtime.claim_capture_stream(stream.device, stream))
         # Before pool routing, so it is released after the routing and the CUDA capture
         # have ended: only then may pools die and dead pools' memory be freed.
         scope.enter_context(captures_running())
-        if random_ops == "graph":
-            if not rng.cooperative():
-                _warn_uncooperative()
-                watch = True
-            else:
-                try:  # before pool routing: torch keeps the generators' device state outside our pool
-                    recorder.random = rng.ArmedGenerators(stream.device, options.generators, stream)
-                except rng.GeneratorBusy:  # held by another capture: the first random op waits for it
-                    watch = recorder.arm_when_free = True
-        scope.enter_context(torch.cuda.use_mem_pool(pool, stream.device))
+        recorder.route_to_pool()
+        scope.callback(recorder.stop_routing)
         # Backward passes run on this thread, so their breaks and allocations are ours.
         scope.enter_context(torch.autograd.set_multithreading_enabled(False))
         streams.install_hooks()

@@ -1,211 +1,170 @@
-"""Random ops inside graph segments: torch's CUDA generators armed for raw captures.
+"""Random ops inside graph segments: the segments that draw are captured by torch.
 
-torch's philox generators draw graph-safe numbers while they are *armed*
-(torch's Note [CUDA Graph-safe RNG states]): a captured kernel reads its
-seed and base offset from two device tensors and adds its own offset within
-the capture; each replay first refills those tensors from the generator and
-advances the generator by what the capture consumed. Only
-``torch.cuda.CUDAGraph`` arms a generator (``capture_begin``), records the
-advance and disarms it (``capture_end``), and refills it (``replay``).
+A random op on a CUDA generator draws graph-safe numbers only inside a capture
+that torch itself began (torch's Note [CUDA Graph-safe RNG states]): the
+captured kernel reads its seed and offset from device tensors, and only
+``torch.cuda.CUDAGraph.replay`` refills them and advances the generator
+before it launches. torch 2.12 and later keep that state per CUDA capture and
+know only the captures they begin; torch 2.8 to 2.11 keep it per generator.
+What works on all of them: the segment that meets a random op is captured by
+a ``torch.cuda.CUDAGraph`` into the graph's pool and replayed by it
+(:class:`TorchCapture`), while the segments that draw nothing stay on
+cuda.bindings.
 
-So a breakable capture arms its generators with a ``torch.cuda.CUDAGraph`` of
-its own, the *keeper*, which captures nothing: it is begun in relaxed mode
-on the capture stream while no segment records there, arming every
-generator registered with it, and its CUDA capture is ended at once, so no
-capture stays open while breaks run (a device-wide synchronize in a break
-stays legal). The segments, captured through cuda.bindings, draw from the
-armed generators. Between segments each generator points at a plain copy
-of its state, so eager breaks draw eagerly. After the last segment a
-capture is reopened on the capture stream for the keeper to end: that
-disarms the generators and records the advance, and every replay calls
-``keeper.replay()`` before the first segment. The keeper uses no stream of
-its own: a second stream from torch's pool of 32 per device can be the
-very stream another thread is capturing on.
+Two rules make that safe:
 
-This needs torch's per-generator capture state (torch 2.11 and earlier,
-where ``CUDAGraph.register_generator_state`` exists); from torch 2.12 on only
-a capture torch begins itself can arm a generator, so random ops become
-eager breaks there (see :func:`armable`). A generator is armed by one
-capture at a time, as with ``torch.cuda.graph``: a capture that meets a
-random op while another capture holds the generator waits for it.
+- A generator serves one torch capture at a time (torch 2.11 and earlier
+  keep one capture state per generator), so a segment claims the generators
+  it may draw from until it ends, and a capture that meets a random op while
+  another capture's segment holds them waits.
+- torch's pinned-memory allocator forgets a pool once every torch graph
+  captured into it is gone, and then refuses the next capture into it (an
+  internal assert). An empty torch graph captured into each pool at its
+  first torch segment keeps the pool known as long as the pool lives.
 """
 
 from __future__ import annotations
 
-import atexit
+import contextlib
 import re
 import threading
 import warnings
-from typing import Callable, Sequence
+import weakref
+from typing import Sequence
 
 import torch
 
 import breakgraph_bindings as bindings
-from breakgraph_bindings import CaptureMode
-from breakgraph import runtime
 
 
-def armable(torch_version: str, graph_has_register_generator_state: bool) -> bool:
-    """Whether a torch of ``torch_version`` lets a capture it did not begin arm its CUDA
-    generators: releases before 2.12 (pre-releases and nightlies of 2.12 already keep
-    generator capture state per torch-owned capture) whose ``CUDAGraph`` has
-    ``register_generator_state``."""
+def registers_generators_explicitly(torch_version: str) -> bool:
+    """Whether a torch of ``torch_version`` needs ``CUDAGraph.register_generator_state``
+    for generators other than the default one: releases before 2.14 (torch 2.14
+    registers a generator at its first draw in a capture, and warns on the call)."""
     major, minor = (int(part) for part in re.match(r"(\d+)\.(\d+)", torch_version).groups())
-    return (major, minor) < (2, 12) and graph_has_register_generator_state
+    return (major, minor) < (2, 14)
 
 
-def cooperative() -> bool:
-    """Whether this torch's CUDA generators can be armed for captures made through cuda.bindings."""
-    return armable(torch.__version__, hasattr(torch.cuda.CUDAGraph, "register_generator_state"))
+def draw_counts(device: torch.device, extra: Sequence[torch.Generator]) -> tuple[int, ...]:
+    """Where ``device``'s default generator and ``extra`` stand: a call that drew random
+    numbers from one of them moved it."""
+    return tuple(gen.get_offset() for gen in (torch.cuda.default_generators[device.index], *extra))
 
 
 class GeneratorBusy(RuntimeError):
-    """A generator this capture would arm is armed by another capture."""
+    """A generator this segment would draw from is held by another capture's segment."""
 
 
-_armed_changed = threading.Condition(threading.Lock())
-_armed: dict[int, torch.Generator] = {}
+_held_changed = threading.Condition(threading.Lock())
+_held: dict[int, torch.Generator] = {}
 
 
 def _claim(generators: Sequence[torch.Generator], wait: float) -> None:
-    """Mark ``generators`` armed by the caller, waiting up to ``wait`` seconds for another
-    capture to release them."""
-    with _armed_changed:
-        free = _armed_changed.wait_for(lambda: not any(id(gen) in _armed for gen in generators), timeout=wait)
+    """Mark ``generators`` held by the caller, waiting up to ``wait`` seconds for another
+    capture's segment to let them go."""
+    with _held_changed:
+        free = _held_changed.wait_for(lambda: not any(id(gen) in _held for gen in generators), timeout=wait)
         if not free:
-            busy = next(gen for gen in generators if id(gen) in _armed)
+            busy = next(gen for gen in generators if id(gen) in _held)
             waited = f" (waited {wait:g} s for it)" if wait else ""
-            raise GeneratorBusy(f"the CUDA generator of {busy.device} is armed by another capture{waited}")
+            raise GeneratorBusy(f"the CUDA generator of {busy.device} is drawn from by another capture{waited}")
         for gen in generators:
-            _armed[id(gen)] = gen
-
-
-def _require_idle(stream: torch.cuda.Stream) -> None:
-    """Refuse to arm on a stream something is capturing on: torch would leave the
-    generators and its pool routing half-armed when its capture fails to begin."""
-    if bindings.capture_status(stream) is not bindings.CaptureStatus.NONE:
-        raise RuntimeError(
-            f"cannot arm the CUDA generators on stream {stream.cuda_stream:#x}: a capture is already under way "
-            "on it. Give each concurrent capture a stream of its own (streams from torch's pool of 32 per "
-            "device are handed out again, so keep each capture's stream alive while it captures)."
-        )
-
-
-_registered: dict[int, torch.cuda.CUDAGraph] = {}  # device index -> a graph that only registers
-atexit.register(_registered.clear)  # let go while CUDA is certainly still up
-
-
-def _keep_device_state(device: torch.device) -> None:
-    """Keep the default generator's graph-safe device state (a seed and an offset tensor)
-    allocated between captures. torch frees it when no graph is registered with the
-    generator and allocates it at the next registration, so every capture would pay an
-    allocation, a cudaMalloc once the allocator's cache was emptied; a graph that registers and never captures keeps it, as any live torch graph does."""
-    if device.index not in _registered:
-        anchor = torch.cuda.CUDAGraph()
-        anchor.register_generator_state(torch.cuda.default_generators[device.index])
-        _registered.setdefault(device.index, anchor)
+            _held[id(gen)] = gen
 
 
 def _release(generators: Sequence[torch.Generator]) -> None:
-    with _armed_changed:
+    with _held_changed:
         for gen in generators:
-            _armed.pop(id(gen), None)
-        _armed_changed.notify_all()
+            _held.pop(id(gen), None)
+        _held_changed.notify_all()
 
 
-class ArmedGenerators:
-    """The generators one capture has armed: ``device``'s default generator and ``extra`` ones.
+_known_pools: "weakref.WeakKeyDictionary[torch.cuda.MemPool, torch.cuda.CUDAGraph]" = weakref.WeakKeyDictionary()
 
-    ``stream`` is the capture stream, where the keeper captures; no segment
-    may be recording on it while the generators are armed or disarmed.
-    ``wait`` is how long to wait for another capture to release the
-    generators before raising :class:`GeneratorBusy`.
+
+def _keep_pool_known(pool: "torch.cuda.MemPool") -> None:
+    """Capture an empty torch graph into ``pool`` once, and keep it as long as the pool:
+    torch's pinned-memory allocator then knows the pool for every later torch capture
+    into it. It dies just before the pool does, so the pool still gives its memory back."""
+    if pool in _known_pools:
+        return
+    anchor = torch.cuda.CUDAGraph(keep_graph=True)
+    _begin(anchor, pool, "relaxed")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "The CUDA Graph is empty": it is meant to be
+        anchor.capture_end()
+    _known_pools[pool] = anchor
+
+
+def _begin(graph: torch.cuda.CUDAGraph, pool, mode: str) -> None:
+    """``graph.capture_begin`` into ``pool`` on the current stream; if it fails half-way,
+    end what it began (its CUDA capture, its routing of allocations to the pool)."""
+    try:
+        graph.capture_begin(pool=pool.id, capture_error_mode=mode)
+    except BaseException:
+        bindings.discard_capture(torch.cuda.current_stream())
+        _stop_routing_to(pool)
+        raise
+
+
+def _stop_routing_to(pool) -> None:
+    """Stop the routing of allocations to ``pool`` that a torch capture began and could not
+    end (a pool that dies while allocations are routed aborts the process)."""
+    with contextlib.suppress(RuntimeError):  # torch had stopped it: nothing left to stop
+        torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool.id)
+
+
+class TorchCapture:
+    """One segment captured by ``torch.cuda.CUDAGraph`` on the current stream (the capture
+    stream, with no capture open on it) into ``pool``: torch arms the generators for it,
+    records what it draws, and refills and advances them at each ``replay()``.
+
+    ``generators`` are the CUDA generators beside the device's default one that the
+    segment may draw from; ``wait`` is how long to wait for another capture's segment
+    to let them go before raising :class:`GeneratorBusy`.
     """
 
-    def __init__(self, device: torch.device, extra: Sequence[torch.Generator], stream: torch.cuda.Stream, wait: float = 0.0):
+    def __init__(self, pool, device: torch.device, mode: str, generators: Sequence[torch.Generator], wait: float):
         default = torch.cuda.default_generators[device.index]
-        self.generators = [default] + [gen for gen in extra if gen is not default]
+        self.generators = [default] + [gen for gen in generators if gen is not default]
         for gen in self.generators:  # a generator made with device="cuda" reports no index
             if gen.device.type != "cuda" or gen.device.index not in (None, device.index):
                 raise ValueError(f"generators must be CUDA generators of {device}, got one of {gen.device}")
-        _require_idle(stream)
+        self.pool = pool
         _claim(self.generators, wait)
-        self._stream = stream
         try:
-            _keep_device_state(device)
-            self._plain = [gen.clone_state() for gen in self.generators]
-            # keep_graph: ending the keeper instantiates nothing; only a keeper that is
-            # replayed (its capture drew random numbers) instantiates, at its first replay.
-            with runtime.on_stream(stream):
-                self._keeper = torch.cuda.CUDAGraph(keep_graph=True)
+            _keep_pool_known(pool)
+            self.graph = torch.cuda.CUDAGraph(keep_graph=True)
+            if registers_generators_explicitly(torch.__version__):
                 for gen in self.generators[1:]:
-                    self._keeper.register_generator_state(gen)
-                self._keeper.capture_begin(capture_error_mode="relaxed")  # arms every registered generator
-            bindings.end_capture(stream).destroy()  # ...and leaves no capture open
+                    self.graph.register_generator_state(gen)
+            _begin(self.graph, pool, mode)
         except BaseException:
             _release(self.generators)
             raise
-        self._armed = [gen.graphsafe_get_state() for gen in self.generators]
-        self.point_at_plain_states()
 
-    @classmethod
-    def off_thread(cls, device: torch.device, *args, **kwargs) -> "ArmedGenerators":
-        """Arm on a helper thread, for a capture already under way: the capturing thread's
-        allocations are routed to its graph's pool, and the generators' device state
-        (allocated when a generator is first armed) must live outside it."""
-        outcome: dict = {}
-
-        def arm() -> None:
-            try:
-                with torch.cuda.device(device):
-                    outcome["armed"] = cls(device, *args, **kwargs)
-            except BaseException as error:  # re-raised on the capturing thread
-                outcome["error"] = error
-
-        helper = threading.Thread(target=arm, name="breakgraph-arm-generators")
-        helper.start()
-        helper.join()
-        if "error" in outcome:
-            raise outcome["error"]
-        return outcome["armed"]
-
-    def point_at_armed_states(self) -> None:
-        """While a segment records: random ops are captured and draw fresh numbers at replay."""
-        for gen, state in zip(self.generators, self._armed):
-            gen.graphsafe_set_state(state)
-
-    def point_at_plain_states(self) -> None:
-        """Between segments: eager breaks draw eagerly (from a copy the capture then discards)."""
-        for gen, state in zip(self.generators, self._plain):
-            gen.graphsafe_set_state(state)
-
-    def drawn(self) -> bool:
-        """Whether the segments so far drew random numbers; ask while a segment records."""
-        return any(int(gen.get_state()[8:].view(torch.int64)) != 0 for gen in self.generators)
-
-    def disarm(self, keep: bool) -> Callable[[], None] | None:
-        """Disarm the generators (once). With ``keep``, return what refills and advances
-        them before each replay; otherwise None."""
-        keeper, self._keeper = self._keeper, None
-        if keeper is None:
-            return None
-        for gen, state in zip(self.generators, self._armed):
-            gen.graphsafe_set_state(state)
-        began = False
+    def end(self) -> torch.cuda.CUDAGraph:
+        """End the capture; the graph is ready to instantiate and replay."""
         try:
-            bindings.begin_capture(self._stream, CaptureMode.RELAXED)  # for the keeper to end
-            began = True
-            with warnings.catch_warnings(), runtime.on_stream(self._stream):
-                warnings.simplefilter("ignore")  # "The CUDA Graph is empty": it is meant to be
-                keeper.capture_end()
-        except BaseException:
-            # Leave no capture of ours open (a capture we did not begin is not ours to end),
-            # and leave the generators on their plain states: the armed ones could not be
-            # disarmed, and eager draws must work.
-            if began:
-                bindings.discard_capture(self._stream)
-            self.point_at_plain_states()
-            raise
+            self.graph.capture_end()
         finally:
             _release(self.generators)
-        return keeper.replay if keep else None
+        return self.graph
+
+    def abort(self) -> None:
+        """End the capture after a failure and let the graph go. When CUDA invalidated the
+        capture, torch's ``capture_end`` raises before it stops routing allocations to the
+        pool; that is stopped here (a pool that dies while allocations are routed aborts
+        the process)."""
+        try:
+            self.graph.capture_end()
+        except RuntimeError:
+            _stop_routing_to(self.pool)
+        finally:
+            _release(self.generators)
+            self.graph = None
+
+
+def borrowed_graph(graph: torch.cuda.CUDAGraph) -> bindings.Graph:
+    """``graph``'s captured ``cudaGraph_t``, to count and print; torch keeps owning it."""
+    return bindings.Graph.borrowed(graph.raw_cuda_graph())

@@ -1,10 +1,13 @@
 """The pieces a breakable graph is made of: graph segments and eager breaks.
 
-Both kinds share one interface, as ``torch.cuda.CUDAGraph.replay`` and an
-eager call share "run this step": :meth:`launcher` returns the callable that
-replay's loop calls with the stream handle, :meth:`release` frees what the
-segment holds, and ``argument_addresses``/``result`` are what debug mode
-checks. Replay, debug mode and profiling are built on that interface alone.
+Graph segments come in two kinds: those breakgraph captured and launches
+through cuda.bindings, and those that draw random numbers, which torch
+captured and replays (:mod:`breakgraph.rng`). All kinds share one interface,
+as ``torch.cuda.CUDAGraph.replay`` and an eager call share "run this step":
+:meth:`launcher` returns the callable that replay's loop calls with the
+stream handle, :meth:`release` frees what the segment holds, and
+``argument_addresses``/``result`` are what debug mode checks. Replay, debug
+mode and profiling are built on that interface alone.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+import torch
 
 import breakgraph_bindings as bindings
 from breakgraph_bindings import Graph, GraphExec
@@ -83,9 +88,14 @@ class GraphSegment:
     executable_bytes: int | None = None
     shared: SharedExecutable | None = field(default=None, init=False)
     kind: str = field(default="graph", init=False)
+    draws_random_numbers: bool = field(default=False, init=False)
     argument_addresses: tuple = field(default=(), init=False)
     result: Any = field(default=None, init=False)
     bytes_written: int = field(default=0, init=False)
+
+    def ready(self, stream, measure: bool) -> None:
+        """Instantiate the captured graph (measuring its memory with ``measure``)."""
+        self.executable, self.executable_bytes = instantiate(self.graph, stream, measure)
 
     def launcher(self) -> Launcher:
         if self.shared is not None:
@@ -119,6 +129,52 @@ class GraphSegment:
         self.graph.destroy()
 
 
+def _replay_torch_graph(graph: "torch.cuda.CUDAGraph", _stream) -> None:
+    graph.replay()
+
+
+@dataclass(eq=False)
+class TorchGraphSegment:
+    """A segment that draws random numbers, captured by ``torch.cuda.CUDAGraph``, whose
+    ``replay()`` refills and advances the generators before it launches on the current
+    stream. ``graph`` is its ``cudaGraph_t``, borrowed to count and print. torch owns
+    the executable: the segment keeps it when the others release theirs, and shares
+    none (``executable`` stays None for :func:`~breakgraph.share_executables`)."""
+
+    index: int
+    name: str
+    capture: "torch.cuda.CUDAGraph"
+    graph: Graph
+    num_nodes: int = 0
+    side_streams: tuple[int, ...] = ()
+    executable_bytes: int | None = None
+    executable: None = field(default=None, init=False)
+    shared: None = field(default=None, init=False)
+    kind: str = field(default="graph", init=False)
+    draws_random_numbers: bool = field(default=True, init=False)
+    argument_addresses: tuple = field(default=(), init=False)
+    result: Any = field(default=None, init=False)
+    bytes_written: int = field(default=0, init=False)
+
+    def ready(self, stream, measure: bool) -> None:
+        """Instantiate through torch (measuring the memory it took with ``measure``)."""
+        free_before = bindings.free_device_memory() if measure else 0
+        self.capture.instantiate()
+        self.executable_bytes = max(0, free_before - bindings.free_device_memory()) if measure else None
+
+    def launcher(self) -> Launcher:
+        return functools.partial(_replay_torch_graph, self.capture)
+
+    def drop_executable(self) -> None:
+        """Nothing: torch's executable stays (see the class)."""
+
+    def instantiate(self, stream) -> None:
+        """Nothing: the executable was kept."""
+
+    def release(self) -> None:
+        self.capture.reset()
+
+
 @dataclass(eq=False)
 class EagerSegment:
     """An eager break: ``function`` replayed on aliases of its capture-time arguments.
@@ -141,6 +197,7 @@ class EagerSegment:
     argument_addresses: tuple[tuple, ...] = ()
     bytes_written: int = 0
     kind: str = field(default="eager", init=False)
+    draws_random_numbers: bool = field(default=False, init=False)
     num_nodes: int = field(default=0, init=False)
     side_streams: tuple[int, ...] = field(default=(), init=False)
     executable_bytes: int = field(default=0, init=False)
@@ -158,4 +215,4 @@ class EagerSegment:
         self.args, self.kwargs, self.result = (), {}, None
 
 
-Segment = GraphSegment | EagerSegment
+Segment = GraphSegment | TorchGraphSegment | EagerSegment

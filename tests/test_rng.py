@@ -1,43 +1,158 @@
-"""Which torch versions let breakgraph arm CUDA generators, and what a user is told when it cannot."""
+"""The random-op route on every torch from 2.8 to 2.14, without a GPU: a random op in a
+segment makes the rest of it a capture torch begins (the one way torch 2.12 and later let a
+capture draw random numbers), extra generators are registered where torch wants them, and
+each version's refusal is recognised. CUDA and torch's graph are stood in for; the route
+itself runs."""
 
-import warnings
+import contextlib
 
 import pytest
+import torch
 
-from breakgraph import recorder
-from breakgraph.rng import armable
+from breakgraph import context, recorder, rng
+from breakgraph.dispatch import is_random_op_refusal
+from breakgraph.options import CaptureOptions
+
+VERSIONS = ["2.8.0", "2.9.1", "2.10.0", "2.11.0+cu130", "2.12.0", "2.12.0.dev20260301+cu130", "2.13.0+cpu", "2.14.0", "2.14.1"]
 
 
 @pytest.mark.parametrize(
-    "version, expected",
+    "version, explicitly",
     [
         ("2.8.0", True),
         ("2.11.0+cu130", True),
-        ("2.11.1", True),
-        ("2.11.0a0+git1234abc", True),
-        ("2.12.0", False),
-        ("2.12.0.dev20260301+cu130", False),  # nightlies of 2.12 already key generator state by capture
-        ("2.12.0rc1", False),
-        ("2.13.0+cpu", False),
+        ("2.12.0rc1", True),
+        ("2.13.0+cpu", True),
+        ("2.14.0", False),  # registers at the first draw, and warns on register_generator_state
         ("2.14.1", False),
+        ("2.15.0.dev20261101+cu130", False),
         ("3.0.0", False),
     ],
 )
-def test_generators_are_armable_before_torch_2_12_only(version, expected):
-    assert armable(version, graph_has_register_generator_state=True) is expected
+def test_extra_generators_are_registered_before_torch_2_14_only(version, explicitly):
+    assert rng.registers_generators_explicitly(version) is explicitly
 
 
-def test_a_torch_without_register_generator_state_is_never_armable():
-    assert armable("2.11.0", graph_has_register_generator_state=False) is False
+@pytest.mark.parametrize(
+    "message",
+    [
+        "Attempt to increase offset for a CUDA generator not in capture mode.",  # 2.8 to 2.11
+        "RNG op during graph capture but generator is not registered with the capturing graph",  # 2.12, 2.13
+        "RNG op during graph capture but could not find the CUDAGraph object",  # 2.14
+    ],
+)
+def test_every_versions_refusal_of_a_random_op_is_recognised(message):
+    assert is_random_op_refusal(RuntimeError(message))
+    assert not is_random_op_refusal(RuntimeError("operation not permitted when stream is capturing"))
+    assert not is_random_op_refusal(None)
 
 
-def test_the_fallback_is_explained_once_in_a_users_words(monkeypatch):
-    monkeypatch.setattr(recorder, "_warned_uncooperative", False)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        recorder._warn_uncooperative()
-        recorder._warn_uncooperative()
-    assert len(caught) == 1
-    message = str(caught[0].message)
-    for words in ("random ops (dropout, randn, ...) run as eager breaks", "torch 2.12", "fresh numbers", "random_ops='break'"):
-        assert words in message, message
+class Log(list):
+    """What the stand-ins for CUDA and torch's graph were asked to do, in order."""
+
+
+class FakeGenerator(torch.Generator):
+    """A generator that says it is CUDA's."""
+
+    def __new__(cls, name):
+        return super().__new__(cls)
+
+    def __init__(self, name):
+        super().__init__()
+        self.name = name
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+
+class FakeTorchGraph:
+    log: Log
+
+    def __init__(self, keep_graph=False):
+        assert keep_graph, "the route keeps torch's graph to count and print it"
+
+    def register_generator_state(self, gen):
+        self.log.append(("register", gen.name))
+
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        self.log.append(("torch capture_begin", pool, capture_error_mode))
+
+    def capture_end(self):
+        self.log.append("torch capture_end")
+
+
+class FakeStream:
+    cuda_stream, device = 0x5, torch.device("cuda", 0)
+
+
+class FakeRawGraph:
+    def destroy(self):
+        pass
+
+
+@pytest.fixture
+def stand_ins(monkeypatch):
+    """CUDA and torch's CUDA graph stood in for, logging what the capture asks of them."""
+    log = Log()
+    monkeypatch.setattr(FakeTorchGraph, "log", log, raising=False)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeTorchGraph)
+    monkeypatch.setattr(torch.cuda, "default_generators", (FakeGenerator("default"),))
+    monkeypatch.setattr(torch.cuda, "use_mem_pool", lambda pool, device: contextlib.nullcontext(log.append("route to pool")))
+    monkeypatch.setattr(rng, "_known_pools", {})
+    bindings = recorder.bindings
+    monkeypatch.setattr(bindings, "begin_capture", lambda stream, mode: log.append("raw begin"))
+    monkeypatch.setattr(bindings, "end_capture", lambda stream: log.append("raw end") or FakeRawGraph())
+    monkeypatch.setattr(bindings, "discard_capture", lambda stream: log.append("raw discard"))
+    return log
+
+
+class FakePool:
+    id = (0, 7)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_random_op_in_a_segment_goes_on_in_a_capture_torch_begins_on_every_version(stand_ins, monkeypatch, version):
+    monkeypatch.setattr(torch, "__version__", version)
+    user = FakeGenerator("user's")
+    options = CaptureOptions(generators=(user,), capture_error_mode="thread_local")
+    active = recorder.start(FakePool(), FakeStream(), options, record_addresses=False)
+    try:
+        torch.ones(4).add_(1)  # captured by cuda.bindings: the watch lets it through
+        assert stand_ins[-1] == "raw begin"
+        torch.rand(4)  # a random op: the segment ends here, and torch begins the next
+        torch.rand(4)  # ...which goes on recording
+    finally:
+        active.abort()
+    registered = [("register", "user's")] if rng.registers_generators_explicitly(version) else []
+    assert stand_ins == [
+        "route to pool",
+        "raw begin",
+        "raw end",
+        # the pool's first torch capture: an empty one that keeps torch's host allocator knowing it
+        ("torch capture_begin", (0, 7), "relaxed"),
+        "torch capture_end",
+        *registered,
+        ("torch capture_begin", (0, 7), "thread_local"),
+        "torch capture_end",  # the abort ends it
+    ]
+
+
+def test_with_random_ops_break_no_torch_capture_begins(stand_ins):
+    active = recorder.start(FakePool(), FakeStream(), CaptureOptions(random_ops="break"), record_addresses=False)
+    try:
+        torch.rand(4)
+    finally:
+        active.abort()
+    assert not any(isinstance(entry, tuple) and entry[0] == "torch capture_begin" for entry in stand_ins)
+    assert stand_ins[:4] == ["route to pool", "raw begin", "raw end", "raw begin"]  # the break between
+
+
+def test_a_capture_told_its_function_draws_nothing_watches_no_op(stand_ins):
+    with context.skip_op_watch():
+        active = recorder.start(FakePool(), FakeStream(), CaptureOptions(), record_addresses=False)
+    try:
+        torch.rand(4)  # unwatched: nothing splits (on a GPU, torch would refuse the op, and graphed captures again)
+    finally:
+        active.abort()
+    assert stand_ins == ["route to pool", "raw begin", "raw discard"]

@@ -1,7 +1,9 @@
-"""Random ops captured inside graph segments: fresh numbers at every replay, the right
-distribution, and the generator's offsets exactly as under torch.cuda.graph."""
+"""Random ops captured inside graph segments, in segments torch captures: fresh numbers at
+every replay, the right distribution, the generator's offsets exactly as under
+torch.cuda.graph and as eager, user generators, and captures that meet each other."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -9,17 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import breakgraph as bg
-import time
-
 from breakgraph import recorder, rng
-from breakgraph.runtime import cuda_available
 from tests.helpers import assert_close, poison_
 
-pytestmark = [
-    pytest.mark.skipif(
-        cuda_available() and not rng.cooperative(), reason="this torch's CUDA generators cannot be armed for raw captures"
-    ),
-]
 DEV = "cuda"
 N = 4096
 
@@ -156,29 +150,32 @@ def test_captured_training_step_uses_the_same_generator_offsets_as_eager():
             assert_close(p, q, 1e-5, 1e-5)
 
 
-def test_user_generator_passed_in_generators():
+def test_the_default_generator_and_a_users_in_one_capture():
     gen = torch.Generator(device=DEV)
     x = torch.full((N,), 0.75, device=DEV)
 
     def region():
-        return torch.randn(N, device=DEV, generator=gen), torch.bernoulli(x, generator=gen)
+        return torch.randn(N, device=DEV, generator=gen), torch.rand(N, device=DEV), torch.bernoulli(x, generator=gen)
 
     graph, out = capture(region, generators=[gen])
     draws = []
     for _ in range(2):
-        gen.manual_seed(7)
+        gen.manual_seed(7), torch.cuda.manual_seed(8)
         graph.replay()
         draws.append([t.clone() for t in out])
         graph.replay()
         draws.append([t.clone() for t in out])
     assert all(torch.equal(a, b) for a, b in zip(draws[0], draws[2]))  # reseeded: the same numbers
-    assert not torch.equal(draws[0][0], draws[1][0])  # not reseeded: fresh numbers
-    gen.manual_seed(7)
+    assert all(not torch.equal(a, b) for a, b in zip(draws[0], draws[1]))  # not reseeded: fresh numbers
+    gen.manual_seed(7), torch.cuda.manual_seed(8)
     eager = region()
     assert all(torch.equal(a, b) for a, b in zip(draws[0], eager))
 
 
-def test_unarmed_user_generator_fails_clearly_and_leaves_nothing_behind():
+@pytest.mark.skipif(
+    not rng.registers_generators_explicitly(torch.__version__), reason="torch 2.14 registers a generator at its first draw"
+)
+def test_a_user_generator_not_passed_fails_clearly_and_leaves_nothing_behind():
     gen = torch.Generator(device=DEV)
     with pytest.raises(bg.UncapturableOpError, match="generators=") as info:
         capture(lambda: torch.randn(8, device=DEV, generator=gen) + 1)
@@ -228,50 +225,9 @@ def test_failed_capture_leaves_the_generator_usable():
     assert not torch.equal(first, out)
 
 
-def test_arming_on_a_stream_another_capture_is_using_is_refused_and_changes_nothing():
-    """torch would leave a generator half-armed (and its pool routing open) if the keeper's
-    capture could not begin: refused before anything changes, and the capture under way on
-    that stream (not ours) is left open for its owner to end."""
-    import breakgraph_bindings as bindings
-
-    device = torch.device(DEV, torch.cuda.current_device())
-    busy, free = torch.cuda.Stream(), torch.cuda.Stream()
-    bindings.begin_capture(busy, bindings.CaptureMode.RELAXED)  # someone else's capture
-    try:
-        with pytest.raises(RuntimeError, match="a capture is already under way on it"):
-            rng.ArmedGenerators(device, [], busy)
-        assert bindings.capture_status(busy) is bindings.CaptureStatus.ACTIVE
-    finally:
-        bindings.end_capture(busy).destroy()
-    rng.ArmedGenerators(device, [], free, wait=0.0).disarm(keep=False)  # the generator was not claimed
-    graph, out = capture(lambda: torch.randn(N, device=DEV))
-    first = (graph.replay(), out.clone())[1]
-    graph.replay()
-    assert not torch.equal(first, out)
-
-
-def test_region_without_random_ops_has_no_refill_step():
+def test_region_without_random_ops_has_no_segment_torch_replays():
     graph, _out = capture(lambda t: softmax_eager(t * 2) + 1, torch.randn(4, 8, device=DEV))
-    assert not graph.draws_random_numbers
-
-
-def test_arming_allocates_nothing_once_the_generator_state_exists():
-    """The generator's seed and offset tensors outlive each capture's keeper (torch frees them
-    when no graph is registered): a capture that draws nothing allocates no tensor."""
-
-    def capture():
-        graph = bg.BreakableCUDAGraph()
-        with bg.BreakableCUDAGraphCapture(graph):
-            x.add_(1)
-        return graph
-
-    x = torch.zeros(8, device=DEV)
-    capture()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    before = torch.cuda.memory_stats()["allocation.all.allocated"]
-    capture()
-    assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
+    assert not graph.draws_random_numbers and graph.num_graphs == 2
 
 
 def test_random_ops_break_mode_makes_each_random_op_a_break():
@@ -285,11 +241,12 @@ def test_random_ops_break_mode_makes_each_random_op_a_break():
 
 
 class Holder:
-    """A thread whose capture arms the default generator and keeps it until ``release`` is set.
+    """A thread whose capture draws from the default generator in a segment it keeps open
+    until ``release`` is set.
 
     Its graph is replayed only by :meth:`check`, after the thread has ended and the other
-    capture with it: on torch 2.11 a graph that draws cannot replay while another capture
-    holds its generator armed (torch refuses the offset increment).
+    capture with it: on torch 2.11 a graph that draws cannot replay while another capture's
+    segment draws from its generator (torch refuses the offset increment).
     """
 
     def __init__(self):
@@ -322,7 +279,7 @@ class Holder:
         assert self.noise.std().item() > 0.9
 
 
-def test_a_capture_whose_generator_another_capture_holds_waits_for_it_at_its_first_random_op():
+def test_a_capture_whose_generator_another_captures_segment_holds_waits_for_it_at_its_first_random_op():
     holder = Holder()
     try:
         stream = torch.cuda.Stream()
@@ -360,11 +317,11 @@ def test_a_capture_whose_generator_another_capture_holds_waits_for_it_at_its_fir
 
 
 def test_a_capture_that_cannot_get_the_generator_in_time_fails_clearly_and_leaves_nothing_behind(monkeypatch):
-    monkeypatch.setattr(recorder, "_ARMING_WAIT_S", 0.2)
+    monkeypatch.setattr(recorder, "_GENERATOR_WAIT_S", 0.2)
     holder = Holder()
     try:
         stream = torch.cuda.Stream()
-        with pytest.raises(bg.UncapturableOpError, match=r"armed by another capture \(waited 0.2 s for it\).*random_ops='break'"):
+        with pytest.raises(bg.UncapturableOpError, match=r"drawn from by another capture \(waited 0.2 s for it\).*random_ops='break'"):
             with bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph(), stream=stream, capture_error_mode="thread_local"):
                 torch.randn(8, device=DEV)
     finally:
@@ -376,22 +333,136 @@ def test_a_capture_that_cannot_get_the_generator_in_time_fails_clearly_and_leave
     assert not torch.equal(first, out)
 
 
-@pytest.mark.parametrize(
-    "capture_kwargs, words",
-    [
-        ({"breaks": "inline"}, "a full-graph capture cannot split to wait for it"),
-        ({"barrier_fn": lambda: None}, "a capture with barrier_fn does not wait"),
-    ],
-)
-def test_captures_that_must_not_wait_for_the_generator_fail_at_once(capture_kwargs, words):
+def test_a_capture_with_barrier_fn_does_not_wait_for_the_generator():
     holder = Holder()
     try:
         stream = torch.cuda.Stream()
         started = time.perf_counter()
-        with pytest.raises(bg.UncapturableOpError, match=words):
-            with bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph(), stream=stream, capture_error_mode="thread_local", **capture_kwargs):
+        with pytest.raises(bg.UncapturableOpError, match="a capture with barrier_fn does not wait"):
+            with bg.BreakableCUDAGraphCapture(
+                bg.BreakableCUDAGraph(), stream=stream, capture_error_mode="thread_local", barrier_fn=lambda: None
+            ):
                 torch.randn(8, device=DEV)
         assert time.perf_counter() - started < 5  # no wait for the holder (it holds for up to 60 s)
     finally:
         holder.join()
     holder.check()
+
+
+def test_a_full_graph_with_dropout_draws_fresh_masks_equal_to_eagers_and_has_no_break():
+    x = torch.randn(N, device=DEV)
+    w = torch.randn(N, device=DEV)
+
+    def region():
+        h = F.dropout(x * w, 0.5, training=True)
+        return F.dropout(h + 1, 0.25, training=True)
+
+    graph, out = capture(region, breaks="inline")
+    assert graph.num_eager_breaks == 0 and graph.draws_random_numbers
+    assert graph.num_graphs == 2  # up to the first random op, and from it on: launched back to back
+    masks = []
+    for seed in (5, 6, 5):
+        fresh = torch.randn_like(x)
+        x.copy_(fresh)
+        poison_(out)
+        torch.cuda.manual_seed(seed)
+        graph.replay()
+        torch.cuda.manual_seed(seed)
+        expected = region()
+        assert torch.equal(out, expected)
+        masks.append(out != 0)
+    assert not torch.equal(masks[0], masks[1]) and torch.equal(masks[0], masks[2])
+
+
+def test_a_training_step_with_dropout_is_bit_exact_against_eager_over_ten_steps():
+    def make():
+        torch.manual_seed(0)
+        layers = [nn.Linear(64, 128), nn.ReLU(), nn.Dropout(0.1), nn.Linear(128, 128), nn.ReLU(), nn.Dropout(0.1), nn.Linear(128, 16)]
+        return nn.Sequential(*layers).to(DEV)
+
+    model, reference = make(), make()
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, reference))
+    x, y = torch.randn(32, 64, device=DEV), torch.randn(32, 16, device=DEV)
+
+    def step(net, optimizer, inputs, targets):
+        optimizer.zero_grad(set_to_none=False)
+        loss = F.mse_loss(net(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (the optimizer's state exists before the capture)
+        step(model, opt, x, y), step(reference, ref_opt, x, y)
+    torch.cuda.current_stream().wait_stream(stream)
+    reference.load_state_dict(model.state_dict())
+    graph, loss = capture(lambda: step(model, opt, x, y), stream=stream)
+    assert graph.num_eager_breaks == 0 and graph.draws_random_numbers
+    reference.load_state_dict(model.state_dict())  # capture changed no weight
+    torch.cuda.manual_seed(11)
+    for _ in range(10):
+        fresh_x, fresh_y = torch.randn_like(x), torch.randn_like(y)
+        x.copy_(fresh_x), y.copy_(fresh_y)
+        state = torch.cuda.get_rng_state()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            graph.replay()
+        torch.cuda.set_rng_state(state)
+        with torch.cuda.stream(stream):  # the same stream, so cuBLAS picks the same kernels
+            ref_loss = step(reference, ref_opt, fresh_x, fresh_y)
+        stream.synchronize()
+        assert torch.equal(loss, ref_loss), (loss.item(), ref_loss.item())
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert torch.equal(p, q), (p - q).abs().max().item()
+
+
+def watched_ops(monkeypatch) -> list:
+    """Every op the op watch is handed from now on."""
+    from breakgraph.dispatch import CaptureDispatchMode
+
+    seen, watch = [], CaptureDispatchMode.__torch_dispatch__
+
+    def counting(self, func, types, args=(), kwargs=None):
+        seen.append(func)
+        return watch(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(CaptureDispatchMode, "__torch_dispatch__", counting)
+    return seen
+
+
+def test_a_callable_whose_warm_up_draws_nothing_is_captured_without_the_op_watch(monkeypatch):
+    seen = watched_ops(monkeypatch)
+    x = torch.randn(4, 8, device=DEV)
+    plain = bg.graphed(lambda t: softmax_eager(t * 2) + 1, x)
+    assert plain.draws_random_numbers is False and not plain.graph.draws_random_numbers and not seen
+    noisy = bg.graphed(lambda t: F.dropout(t, 0.5, training=True) + 1, x)
+    assert noisy.draws_random_numbers and noisy.graph.draws_random_numbers and seen
+
+
+def test_a_callable_that_draws_where_its_warm_up_did_not_is_captured_again_with_the_watch():
+    x = torch.ones(N, device=DEV)
+    step = bg.graphed(lambda t: F.dropout(t, 0.5, training=True), x, warmup=0)  # nothing seen it draw
+    assert step.draws_random_numbers and step.graph.draws_random_numbers
+    first = step().clone()
+    assert set(first.unique().tolist()) <= {0.0, 2.0}
+    assert not torch.equal(first, step())
+
+
+def test_a_runners_sizes_after_the_first_are_watched_when_the_first_drew(monkeypatch):
+    from breakgraph.graphed import GraphedCallable
+
+    attempts = []
+    capture_on = GraphedCallable._capture_on
+
+    def counted(self, stream, target, unwatched):
+        attempts.append(unwatched)
+        return capture_on(self, stream, target, unwatched)
+
+    monkeypatch.setattr(GraphedCallable, "_capture_on", counted)
+    x = torch.ones(8, N, device=DEV)
+    runner = bg.GraphRunner(lambda t: F.dropout(t, 0.5, training=True) * 3, x, [2, 4, 8], progress=False).capture()
+    assert attempts == [False, False, False]  # the first size's warm-up drew: no size tried without the watch
+    for n in (1, 3, 8):
+        first = runner(x[:n]).clone()
+        assert set(first.unique().tolist()) <= {0.0, 6.0} and not torch.equal(first, runner(x[:n]))
