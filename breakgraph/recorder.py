@@ -89,16 +89,16 @@ class Recorder:
     def end_segment(self, following: str) -> None:
         """End the open segment and keep its graph: :meth:`finish` instantiates them all."""
         side_streams = self.tracker.segment_ending()
-        self.segment_open = False
         name = f"graph {self._previous} -> {following}"
         index = len(self.segments)
-        if self.torch_capture is not None:
-            torch_capture, self.torch_capture = self.torch_capture, None
-            graph = torch_capture.end()
+        if self.torch_capture is not None:  # on failure, abort() ends what is left of it
+            graph = self.torch_capture.end()
+            self.torch_capture, self.segment_open = None, False
             self.route_to_pool()
             self.segments.append(TorchGraphSegment(index, name, graph, rng.borrowed_graph(graph), 0, side_streams))
         else:
             graph = bindings.end_capture(self.stream)
+            self.segment_open = False
             self.segments.append(GraphSegment(index, name, graph, None, 0, side_streams))
 
     def _instantiated(self) -> list[Segment]:
@@ -173,7 +173,7 @@ class Recorder:
         self.stop_routing()
         try:
             mode = self.mode.name.lower()  # as torch spells it
-            self.torch_capture = rng.TorchCapture(self.pool, self.stream.device, mode, self.options.generators, wait)
+            self.torch_capture = rng.TorchCapture(self.pool, self.stream, mode, self.options.generators, wait)
         except rng.GeneratorBusy as busy:
             self.route_to_pool()
             self.begin_segment()  # the capture stays whole, also when the caller goes on after the error
@@ -200,7 +200,8 @@ class Recorder:
         try:
             return (function if inline is True else inline)(*args, **kwargs)
         except RuntimeError as error:
-            if not is_capture_violation(error) or is_capture_invalidated(error):
+            named_by_the_watch = isinstance(error, UncapturableOpError)
+            if not named_by_the_watch and (not is_capture_violation(error) or is_capture_invalidated(error)):
                 raise
             raise UncapturableOpError(f"{name}() cannot be captured inline ({error}); {fix}.") from error
 

@@ -82,27 +82,27 @@ def _release(generators: Sequence[torch.Generator]) -> None:
 _known_pools: "weakref.WeakKeyDictionary[torch.cuda.MemPool, torch.cuda.CUDAGraph]" = weakref.WeakKeyDictionary()
 
 
-def _keep_pool_known(pool: "torch.cuda.MemPool") -> None:
+def _keep_pool_known(pool: "torch.cuda.MemPool", stream) -> None:
     """Capture an empty torch graph into ``pool`` once, and keep it as long as the pool:
     torch's pinned-memory allocator then knows the pool for every later torch capture
     into it. It dies just before the pool does, so the pool still gives its memory back."""
     if pool in _known_pools:
         return
     anchor = torch.cuda.CUDAGraph(keep_graph=True)
-    _begin(anchor, pool, "relaxed")
+    _begin(anchor, pool, "relaxed", stream)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "The CUDA Graph is empty": it is meant to be
         anchor.capture_end()
     _known_pools[pool] = anchor
 
 
-def _begin(graph: torch.cuda.CUDAGraph, pool, mode: str) -> None:
-    """``graph.capture_begin`` into ``pool`` on the current stream; if it fails half-way,
-    end what it began (its CUDA capture, its routing of allocations to the pool)."""
+def _begin(graph: torch.cuda.CUDAGraph, pool, mode: str, stream) -> None:
+    """``graph.capture_begin`` into ``pool`` on ``stream`` (the current stream); if it fails
+    half-way, end what it began (its CUDA capture, its routing of allocations to the pool)."""
     try:
         graph.capture_begin(pool=pool.id, capture_error_mode=mode)
     except BaseException:
-        bindings.discard_capture(torch.cuda.current_stream())
+        bindings.discard_capture(stream)
         _stop_routing_to(pool)
         raise
 
@@ -115,8 +115,8 @@ def _stop_routing_to(pool) -> None:
 
 
 class TorchCapture:
-    """One segment captured by ``torch.cuda.CUDAGraph`` on the current stream (the capture
-    stream, with no capture open on it) into ``pool``: torch arms the generators for it,
+    """One segment captured by ``torch.cuda.CUDAGraph`` on ``stream`` (the capture stream,
+    current, with no capture open on it) into ``pool``: torch arms the generators for it,
     records what it draws, and refills and advances them at each ``replay()``.
 
     ``generators`` are the CUDA generators beside the device's default one that the
@@ -124,21 +124,22 @@ class TorchCapture:
     to let them go before raising :class:`GeneratorBusy`.
     """
 
-    def __init__(self, pool, device: torch.device, mode: str, generators: Sequence[torch.Generator], wait: float):
+    def __init__(self, pool, stream, mode: str, generators: Sequence[torch.Generator], wait: float):
+        device = stream.device
         default = torch.cuda.default_generators[device.index]
         self.generators = [default] + [gen for gen in generators if gen is not default]
         for gen in self.generators:  # a generator made with device="cuda" reports no index
             if gen.device.type != "cuda" or gen.device.index not in (None, device.index):
                 raise ValueError(f"generators must be CUDA generators of {device}, got one of {gen.device}")
-        self.pool = pool
+        self.pool, self.stream = pool, stream
         _claim(self.generators, wait)
         try:
-            _keep_pool_known(pool)
+            _keep_pool_known(pool, stream)
             self.graph = torch.cuda.CUDAGraph(keep_graph=True)
             if registers_generators_explicitly(torch.__version__):
                 for gen in self.generators[1:]:
                     self.graph.register_generator_state(gen)
-            _begin(self.graph, pool, mode)
+            _begin(self.graph, pool, mode, stream)
         except BaseException:
             _release(self.generators)
             raise
@@ -152,14 +153,28 @@ class TorchCapture:
         return self.graph
 
     def abort(self) -> None:
-        """End the capture after a failure and let the graph go. When CUDA invalidated the
-        capture, torch's ``capture_end`` raises before it stops routing allocations to the
-        pool; that is stopped here (a pool that dies while allocations are routed aborts
-        the process)."""
+        """End the capture after a failure and let the graph go.
+
+        When CUDA invalidated the capture, its end fails, and torch's ``capture_end``
+        raises before it disarms the generators and stops routing allocations to the
+        pool (a pool that dies while allocations are routed aborts the process). So
+        torch is given an empty capture on the same stream to end instead, and ends
+        its capture as after a success; should that fail too, the routing is stopped.
+        """
+        stream = self.stream
         try:
-            self.graph.capture_end()
-        except RuntimeError:
-            _stop_routing_to(self.pool)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "The CUDA Graph is empty": a failure can come first
+                try:
+                    self.graph.capture_end()
+                except RuntimeError:
+                    bindings.discard_capture(stream)
+                    try:
+                        bindings.begin_capture(stream, bindings.CaptureMode.RELAXED)
+                        self.graph.capture_end()
+                    except RuntimeError:
+                        bindings.discard_capture(stream)
+                        _stop_routing_to(self.pool)
         finally:
             _release(self.generators)
             self.graph = None
