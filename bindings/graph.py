@@ -5,12 +5,21 @@ from __future__ import annotations
 import os
 import weakref
 
+import cuda.bindings
 from cuda.bindings import runtime as cudart
 
 from .errors import CudaError, check
 from .streams import stream_handle
 
 _SUCCESS = cudart.cudaError_t.cudaSuccess
+_EDGES_TAKE_DATA = int(cuda.bindings.__version__.split(".")[0]) >= 13  # CUDA 13 added edge data to the call
+
+
+def _add_dependencies(graph, sources: list, targets: list) -> tuple:
+    """``cudaGraphAddDependencies`` as this cuda-bindings release spells it."""
+    if _EDGES_TAKE_DATA:
+        return cudart.cudaGraphAddDependencies(graph, sources, targets, None, len(sources))
+    return cudart.cudaGraphAddDependencies(graph, sources, targets, len(sources))
 
 
 def _destroy_quietly(destroy, handle) -> None:
@@ -43,6 +52,28 @@ class Graph:
         """Number of nodes in the graph (``cudaGraphGetNodes``)."""
         _nodes, count = check(cudart.cudaGraphGetNodes(self.handle, 0), "cudaGraphGetNodes")
         return int(count)
+
+    def root_nodes(self) -> list:
+        """The nodes that depend on no other (``cudaGraphGetRootNodes``)."""
+        _nodes, count = check(cudart.cudaGraphGetRootNodes(self.handle, 0), "cudaGraphGetRootNodes")
+        nodes, _count = check(cudart.cudaGraphGetRootNodes(self.handle, count), "cudaGraphGetRootNodes")
+        return list(nodes or ())
+
+    def prepend(self, front: "Graph") -> None:
+        """Make one launch of this graph run ``front``'s work first: a copy of ``front`` becomes
+        a child-graph node that every root node of this graph depends on
+        (``cudaGraphAddChildGraphNode``). Where CUDA refuses ``front`` as a child graph (one
+        with memory allocation, free or conditional nodes), raises :class:`CudaError` and
+        leaves this graph as it was."""
+        roots = self.root_nodes()
+        node = check(cudart.cudaGraphAddChildGraphNode(self.handle, None, 0, front.handle), "cudaGraphAddChildGraphNode")
+        if not roots:
+            return
+        try:
+            check(_add_dependencies(self.handle, [node] * len(roots), roots), "cudaGraphAddDependencies")
+        except CudaError:
+            cudart.cudaGraphDestroyNode(node)
+            raise
 
     def instantiate(self, flags: int = 0) -> "GraphExec":
         """Create an executable graph (``cudaGraphInstantiate``)."""

@@ -109,3 +109,49 @@ def test_ending_a_stream_that_is_not_capturing_raises_a_named_error():
         bindings.end_capture(stream)
     assert info.value.name.startswith("cudaError") and "cudaStreamEndCapture" in str(info.value)
     bindings.clear_last_error()
+
+
+def test_a_prepended_graph_runs_first_in_the_same_launch():
+    stream = torch.cuda.Stream()
+    x = torch.randn(4096, device=DEV)
+    y = torch.empty_like(x)
+    torch.cuda.synchronize()
+    front = _capture(stream, lambda: torch.add(x, 1.0, out=y))
+    back = _capture(stream, lambda: (y.mul_(2.0), y.sub_(x)))
+    nodes = back.num_nodes
+    back.prepend(front)
+    assert back.num_nodes == nodes + 1 and len(back.root_nodes()) == 1  # the copy of front, ahead of the rest
+    front.destroy()  # back holds its own copy
+    executable = back.instantiate()
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        y.fill_(float("nan"))
+        torch.cuda.synchronize()
+        executable.launch(stream)
+        bindings.synchronize(stream)
+        torch.testing.assert_close(y, (x + 1) * 2 - x)
+
+
+def test_a_graph_cuda_refuses_as_a_child_is_not_prepended_and_leaves_the_graph_as_it_was():
+    from cuda.bindings import runtime as cudart
+
+    stream = torch.cuda.Stream()
+    x = torch.randn(4096, device=DEV)
+    torch.cuda.synchronize()
+
+    def allocates():  # stream-ordered allocation: an allocation node and a free node
+        err, pointer = cudart.cudaMallocAsync(1 << 20, stream.cuda_stream)
+        assert err == cudart.cudaError_t.cudaSuccess
+        cudart.cudaFreeAsync(pointer, stream.cuda_stream)
+
+    front = _capture(stream, allocates)
+    back = _capture(stream, lambda: x.mul_(2.0))
+    nodes = back.num_nodes
+    with pytest.raises(bindings.CudaError, match="cudaGraphAddChildGraphNode"):
+        back.prepend(front)
+    assert back.num_nodes == nodes
+    expected = x * 2
+    executable = back.instantiate()
+    executable.launch(stream)
+    bindings.synchronize(stream)
+    torch.testing.assert_close(x, expected)
