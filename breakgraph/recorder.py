@@ -103,8 +103,9 @@ class Recorder:
 
     def _instantiated(self) -> list[Segment]:
         """The segments in replay order, numbered again: graphs that captured nothing are
-        destroyed, the others instantiated. Done once the capture has ended: CUDA counts and
-        instantiates graphs back to back faster than one at each break (docs/performance.md)."""
+        destroyed, a segment that a random op ended is folded into the one torch recorded from
+        that op on, and the rest are instantiated. Done once the capture has ended: CUDA counts
+        and instantiates graphs back to back faster than one at each break (docs/performance.md)."""
         kept = []
         for segment in self.segments:
             if segment.kind == "graph":
@@ -112,9 +113,14 @@ class Recorder:
                 if segment.num_nodes == 0:
                     segment.release()
                     continue
-                segment.ready(self.stream, self.options.measure_memory)
+                front = kept[-1] if kept else None
+                if isinstance(segment, TorchGraphSegment) and isinstance(front, GraphSegment) and segment.take_in(front):
+                    kept.pop()
             segment.index = len(kept)
             kept.append(segment)
+        for segment in kept:
+            if segment.kind == "graph":
+                segment.ready(self.stream, self.options.measure_memory)
         return kept
 
     # -- breaks ------------------------------------------------------------------------

@@ -165,6 +165,20 @@ class TorchGraphSegment:
     def launcher(self) -> Launcher:
         return functools.partial(_replay_torch_graph, self.capture)
 
+    def take_in(self, front: GraphSegment) -> bool:
+        """Run ``front`` (the segment a random op ended just before this one began) at the start
+        of this segment's launch, and release it: one launch where there were two. False, and
+        nothing changed, where CUDA refuses ``front``'s graph as part of another."""
+        try:
+            self.graph.prepend(front.graph)
+        except bindings.CudaError:
+            return False
+        self.name = f"{front.name.partition(' -> ')[0]} -> {self.name.partition(' -> ')[2]}"
+        self.side_streams = tuple(dict.fromkeys(front.side_streams + self.side_streams))
+        self.num_nodes += front.num_nodes
+        front.release()
+        return True
+
     def drop_executable(self) -> None:
         """Nothing: torch's executable stays (see the class)."""
 

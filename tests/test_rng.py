@@ -5,6 +5,7 @@ each version's refusal is recognised. CUDA and torch's graph are stood in for; t
 itself runs."""
 
 import contextlib
+import types
 
 import pytest
 import torch
@@ -81,14 +82,32 @@ class FakeTorchGraph:
     def capture_end(self):
         self.log.append("torch capture_end")
 
+    def instantiate(self):
+        self.log.append("torch instantiate")
+
 
 class FakeStream:
     cuda_stream, device = 0x5, torch.device("cuda", 0)
 
 
 class FakeRawGraph:
+    """A captured graph of ``num_nodes`` nodes; ``refuses`` makes it refuse a graph put in front."""
+
+    def __init__(self, log=None, name="raw", num_nodes=3, refuses=False):
+        self.log, self.name, self.num_nodes, self.refuses = log, name, num_nodes, refuses
+
+    def prepend(self, front):
+        if self.refuses:
+            raise recorder.bindings.CudaError(1, "cudaGraphAddChildGraphNode")
+        self.log.append(("prepend", front.name, "to", self.name))
+
+    def instantiate(self):
+        self.log.append(("instantiate", self.name))
+        return types.SimpleNamespace(handle=0)
+
     def destroy(self):
-        pass
+        if self.log is not None:
+            self.log.append(("destroy", self.name))
 
 
 @pytest.fixture
@@ -102,7 +121,7 @@ def stand_ins(monkeypatch):
     monkeypatch.setattr(rng, "_known_pools", {})
     bindings = recorder.bindings
     monkeypatch.setattr(bindings, "begin_capture", lambda stream, mode: log.append("raw begin"))
-    monkeypatch.setattr(bindings, "end_capture", lambda stream: log.append("raw end") or FakeRawGraph())
+    monkeypatch.setattr(bindings, "end_capture", lambda stream: log.append("raw end") or FakeRawGraph(log))
     monkeypatch.setattr(bindings, "discard_capture", lambda stream: log.append("raw discard"))
     return log
 
@@ -135,6 +154,7 @@ def test_a_random_op_in_a_segment_goes_on_in_a_capture_torch_begins_on_every_ver
         *registered,
         ("torch capture_begin", (0, 7), "thread_local"),
         "torch capture_end",  # the abort ends it
+        ("destroy", "raw"),  # and destroys the raw segment
     ]
 
 
@@ -156,3 +176,20 @@ def test_a_capture_told_its_function_draws_nothing_watches_no_op(stand_ins):
     finally:
         active.abort()
     assert stand_ins == ["route to pool", "raw begin", "raw discard"]
+
+
+@pytest.mark.parametrize("refused", [False, True])
+def test_the_segment_a_random_op_ended_is_launched_as_part_of_the_one_torch_records_from_that_op(stand_ins, monkeypatch, refused):
+    monkeypatch.setattr(rng, "borrowed_graph", lambda graph: FakeRawGraph(stand_ins, "torch's", num_nodes=2, refuses=refused))
+    active = recorder.start(FakePool(), FakeStream(), CaptureOptions(), record_addresses=False)
+    torch.ones(4).add_(1)
+    torch.rand(4)  # the raw segment ends here; torch records from here on
+    segments = active.finish().segments
+    if refused:  # CUDA would not take the raw graph in: two launches, as captured
+        assert [type(s).__name__ for s in segments] == ["GraphSegment", "TorchGraphSegment"]
+        assert [s.index for s in segments] == [0, 1] and ("instantiate", "raw") in stand_ins
+        return
+    (only,) = segments
+    assert type(only).__name__ == "TorchGraphSegment" and only.index == 0
+    assert only.name == "graph start -> end" and only.num_nodes == 3 + 2
+    assert stand_ins[-3:] == [("prepend", "raw", "to", "torch's"), ("destroy", "raw"), "torch instantiate"]
