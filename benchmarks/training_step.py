@@ -71,9 +71,21 @@ def log_loss(loss):
     return float(loss.item())
 
 
+CLIP_NORM = 0.01
+"""The gradient norm the clip keeps: far below the gradients' own, so every step is clipped and a
+variant that skipped the clip would fail the check against eager."""
+
+REPEATS = 11
+"""Interleaved timings of each variant, whose median is reported: the variants differ by less
+than the host's noise between two timings."""
+
+TOLERANCE = 1e-4
+"""How far a variant's losses, weights and gradients may lie from eager's (they are equal in practice)."""
+
+
 def clip_gradients(model):
     """Gradient-norm clipping decided on the host (``error_if_nonfinite`` reads the norm back)."""
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM, error_if_nonfinite=True)
 
 
 class Captured:
@@ -145,24 +157,31 @@ class Captured:
         return runs
 
     def check(self, steps: int = 3) -> dict:
-        """From the same weights and seeds, every variant's losses and weights against eager's."""
-        worst = {}
+        """From the same weights and seeds, every variant's losses, weights and last gradients
+        against eager's. The gradients are clipped in every step (``CLIP_NORM``), so the lower
+        bound, which leaves the clip out, must differ: the check would catch a variant that did."""
+        results = {}
         for name, run in self.runs().items():
             self.trainer.model.load_state_dict(self.state)
             losses = []
             for seed in range(steps):
                 torch.cuda.manual_seed(seed)
                 losses.append(run().clone())
-            weights = [p.detach().clone() for p in self.trainer.model.parameters()]
-            worst[name] = (torch.stack(losses), weights)
-        eager_losses, eager_weights = worst[VARIANTS[0]]
+            parameters = list(self.trainer.model.parameters())
+            results[name] = (torch.stack(losses), [p.detach().clone() for p in parameters] + [p.grad.clone() for p in parameters])
+        eager_losses, eager_tensors = results[VARIANTS[0]]
+        eager_grads = eager_tensors[len(eager_tensors) // 2 :]
+        clipped = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in eager_grads])).item()
+        assert abs(clipped - CLIP_NORM) < 1e-3 * CLIP_NORM, f"the gradients' norm {clipped} was not clipped to {CLIP_NORM}"
         differences = {}
-        for name, (losses, weights) in worst.items():
+        for name, (losses, tensors) in results.items():
             difference = (losses - eager_losses).abs().max().item()
-            difference = max([difference] + [(w - e).abs().max().item() for w, e in zip(weights, eager_weights)])
-            if name != VARIANTS[3]:  # the lower bound skips the clipping break: not the same step
-                assert difference < 1e-4, f"{name}: differs from eager by {difference}"
+            difference = max([difference] + [(t - e).abs().max().item() for t, e in zip(tensors, eager_tensors)])
+            if name != VARIANTS[3]:
+                assert difference < TOLERANCE, f"{name}: differs from eager by {difference}"
             differences[name] = difference
+        lower_bound = differences[VARIANTS[3]]
+        assert lower_bound > 10 * TOLERANCE, f"leaving the clip out changed the step by only {lower_bound}: the check cannot see it"
         self.trainer.model.load_state_dict(self.state)
         return differences
 
@@ -182,7 +201,7 @@ def main(argv=None) -> int:
         captured = Captured(Trainer(hidden, layers, batch, dropout=0.1), stream, meta_library)
         differences = captured.check()
         assert captured.graph.draws_random_numbers and captured.graph.num_eager_breaks == 2
-        us = time_variants({name: _synchronized(run) for name, run in captured.runs().items()}, iters)
+        us = time_variants({name: _synchronized(run) for name, run in captured.runs().items()}, iters, REPEATS)
         label = f"{hidden}x{layers}, batch {batch}"
         for name, value in us.items():
             rows.append(
