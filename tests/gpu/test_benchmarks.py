@@ -105,3 +105,20 @@ def test_without_meta_s_library_a_benchmark_says_why_and_measures_the_rest(monke
     assert MISSING in capsys.readouterr().out
     variants = {row["variant"] for row in json.loads((tmp_path / "replay_overhead.json").read_text())["rows"]}
     assert META not in variants and {"breakgraph replay", "torch CUDAGraph per segment"} <= variants
+
+
+def test_training_timeline_sees_each_variants_launches_host_reads_and_gpu_work(tmp_path):
+    pytest.importorskip("matplotlib")
+    quick_run("training_timeline", tmp_path)
+    data = json.loads((tmp_path / "training_timeline.json").read_text())
+    rows = {row["variant"]: row for row in data["rows"]}
+    assert (tmp_path / "training_timeline.png").stat().st_size > 0
+    assert len(list(tmp_path.glob("training_timeline_*.json"))) == len(rows)  # a Chrome trace per variant
+    assert rows["eager"]["graph launches"] == 0 and rows["eager"]["kernel launches"] > 10
+    # Forward (its part before the first dropout launched with the rest), backward, optimizer step.
+    assert rows["breakgraph"]["graph launches"] == rows["torch CUDAGraph per segment"]["graph launches"] == 3
+    for name, row in rows.items():
+        assert 0 < row["gpu_busy_us"] < row["step_us"], name
+        reads = 0 if name.startswith("lower bound") else 2  # the loss, and the clip's finiteness check
+        assert len(row["host_reads_at_us"]) == reads, name
+    assert rows["breakgraph"]["allocations"] <= rows["eager"]["allocations"]
