@@ -1,8 +1,8 @@
-"""Greedy generation with a Hugging Face transformers Llama: breakgraph against transformers' own paths.
+"""Generation with a Hugging Face transformers Llama: breakgraph against transformers' own paths.
 
 A Llama-3.2-1B-shaped model (random weights from a config: nothing is
 downloaded) generates ``--new`` tokens after a ``--prompt``-token prompt
-at each batch size, four ways, each cold in a fresh process (fresh
+at each batch size, six ways, each cold in a fresh process (fresh
 Inductor and Triton caches):
 
 - transformers eager: ``model.generate`` with its dynamic cache and SDPA;
@@ -12,7 +12,12 @@ Inductor and Triton caches):
 - breakgraph breakable: ``breakgraph.hf.Generator``, attention an eager
   break between graph segments;
 - breakgraph full: the same Generator with ``mode="full"``, one graph per
-  batch size with attention over the whole cache under a device mask.
+  batch size with attention over the whole cache under a device mask;
+- breakgraph breakable, sampling and breakgraph full, sampling: the same
+  two, sampling (temperature 0.7, top_k 50, top_p 0.9) with the token drawn
+  inside the graph, their capture the sampling step's.
+
+The first four decode greedily.
 
 Reported per variant and batch size:
 
@@ -26,15 +31,18 @@ Reported per variant and batch size:
 - *warm generation*: the median time of the same call once warm, and decode
   tokens per second (its time less that of one new token, over
   ``batch * (new - 1)`` tokens);
-- peak memory beyond the weights; and how many of each row's tokens equal
-  transformers' eager tokens (in bfloat16 greedy paths may part after a
-  near-tie; in float32 the GPU tests require them equal).
+- peak memory beyond the weights; and, for the greedy variants, how many
+  of each row's tokens equal transformers' eager tokens (in bfloat16
+  greedy paths may part after a near-tie; in float32 the GPU tests require
+  them equal).
 
 The ratios row of each batch size gives torch.compile's cold generation
 over breakgraph's (target: at least 5x), breakgraph's cold generation over
-its warm one (target: at most 1.5x) and the warm decode tokens/s against
-torch.compile's; a line per breakgraph variant says whether each target
-is met. The run ends by printing how long it took.
+its warm one (target: at most 1.5x), the warm decode tokens/s against
+torch.compile's, and sampling's warm decode tokens/s over greedy's per
+mode (target: at least 0.95x, sampling costing at most 5 %); a line per
+breakgraph variant says whether each target is met. The run ends by
+printing how long it took.
 
     python3 -m benchmarks.transformers_generate [--quick] [--out results] [--batches 1 8] [--variants ...]
 """
@@ -60,10 +68,14 @@ VARIANTS = {
     "compile": "transformers static + torch.compile",
     "breakable": "breakgraph breakable",
     "full": "breakgraph full",
+    "breakable_sampling": "breakgraph breakable, sampling",
+    "full_sampling": "breakgraph full, sampling",
 }
 OURS = ("breakable", "full")
+SAMPLING = {"do_sample": True, "temperature": 0.7, "top_k": 50, "top_p": 0.9}
 COLD_TARGET = 5.0  # torch.compile's cold generation over breakgraph's, at least
 WARM_TARGET = 1.5  # breakgraph's cold generation over its own warm one, at most
+SAMPLING_TARGET = 0.95  # sampling's warm decode tokens/s over greedy's, same mode, at least
 
 QUICK = dict(hf.LLAMA_3_2_1B, vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=32)
 
@@ -96,9 +108,16 @@ def generator_for(variant: str, model, batch: int, max_length: int):
             return model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, **extra)
 
         return generate, None
+    mode, sampling = variant.removesuffix("_sampling"), variant.endswith("_sampling")
     model.set_attn_implementation(hf.ATTENTION)
-    generator = hf.Generator(model, max_length=max_length, max_batch_size=batch, mode=variant, progress=False)
-    return generator.generate, generator.capture
+    generator = hf.Generator(model, max_length=max_length, max_batch_size=batch, mode=mode, progress=False)
+    if not sampling:
+        return generator.generate, generator.capture
+
+    def generate(ids, new):
+        return generator.generate(ids, new, **SAMPLING)
+
+    return generate, lambda: generator.capture(sampling=True)
 
 
 def timed(fn) -> tuple[float, object]:
@@ -181,7 +200,8 @@ def row_of(variant: str, batch: int, new: int, result: dict, reference: list | N
 
 
 def ratios(batch: int, measured: dict) -> tuple[dict, list[str]]:
-    """The batch's ratios row, and a line per breakgraph variant on the two cold targets."""
+    """The batch's ratios row (sampling's cost among them), and a line per greedy breakgraph variant
+    on the two cold targets."""
     ours = [variant for variant in OURS if variant in measured]
     compiled = measured.get("compile")
     row = {"variant": "ratios", "batch": batch}
@@ -189,6 +209,9 @@ def ratios(batch: int, measured: dict) -> tuple[dict, list[str]]:
     if compiled is not None:
         row["cold_gen_s"] = "; ".join(f"compile/{v} {compiled['cold_s'] / measured[v]['cold_s']:.1f}x" for v in ours)
         row["warm_decode_tok_s"] = "; ".join(f"{v}/compile {measured[v]['decode_tok_s'] / compiled['decode_tok_s']:.2f}x" for v in ours)
+    costs = [f"{v} sampling/greedy {ratio:.2f}x" for v, ratio in sampling_over_greedy(measured).items()]
+    if costs:
+        row["warm_decode_tok_s"] = "; ".join(([row["warm_decode_tok_s"]] if "warm_decode_tok_s" in row else []) + costs)
     lines = []
     for variant in ours:
         cold, warm = measured[variant]["cold_s"], measured[variant]["warm_s"]
@@ -199,6 +222,24 @@ def ratios(batch: int, measured: dict) -> tuple[dict, list[str]]:
         line += f"; {cold / warm:.2f}x its warm {warm:.3f} s ({'met' if cold / warm <= WARM_TARGET else 'NOT met'})"
         lines.append(line)
     return row, lines
+
+
+def sampling_over_greedy(measured: dict) -> dict[str, float]:
+    """Each mode's warm decode tokens/s sampling over greedy, where both were measured."""
+    return {
+        v: measured[f"{v}_sampling"]["decode_tok_s"] / measured[v]["decode_tok_s"]
+        for v in OURS
+        if v in measured and f"{v}_sampling" in measured
+    }
+
+
+def sampling_costs(batch: int, measured: dict) -> list[str]:
+    """A line per mode measured both ways: whether sampling costs at most 5 % of greedy's tokens/s."""
+    return [
+        f"batch {batch}, {VARIANTS[v]}: sampling decodes {measured[f'{v}_sampling']['decode_tok_s']:.1f} tokens/s, "
+        f"{ratio:.2f}x greedy's {measured[v]['decode_tok_s']:.1f} ({'met' if ratio >= SAMPLING_TARGET else 'NOT met'})"
+        for v, ratio in sampling_over_greedy(measured).items()
+    ]
 
 
 def draw(ax, rows, new: int):
@@ -219,7 +260,7 @@ def draw(ax, rows, new: int):
     ax.set_ylim(min(r["warm_gen_s"] for r in rows) / 3, max(r["cold_gen_s"] for r in rows) * 30)  # room for the legend above
     ax.set_ylabel(f"seconds to generate {new} tokens (lower is better)")
     ax.set_title(
-        "Llama-3.2-1B shape, greedy: the first generate() in a fresh process (light,\n"
+        "Llama-3.2-1B shape, greedy or sampling: the first generate() in a fresh process (light,\n"
         "compile or capture included, labelled) and a warm one (dark)",
         fontsize=9,
     )
@@ -249,12 +290,12 @@ def main(argv=None) -> int:
             json.dump(measured, out)
         return 0
     started = time.perf_counter()
-    rows, targets = [], []
+    rows, targets, sampling_targets = [], [], []
     for batch in args.batches:
         measured = {variant: run_fresh(variant, batch, args) for variant in args.variants}
         reference = measured.get("eager", {}).get("tokens")
         for variant, result in measured.items():
-            rows.append(row_of(variant, batch, args.new, result, reference))
+            rows.append(row_of(variant, batch, args.new, result, None if variant.endswith("_sampling") else reference))
             print(rows[-1], flush=True)
         if "compile" in measured and not measured["compile"]["compiled"]:
             raise RuntimeError("transformers did not compile its static-cache generation: the comparison would be void")
@@ -262,6 +303,7 @@ def main(argv=None) -> int:
             row, lines = ratios(batch, measured)
             rows.append(row)
             targets += lines
+            sampling_targets += sampling_costs(batch, measured)
             print(row, flush=True)
     columns = ["variant", "batch", "cold_gen_s", "cold_tok_s", "capture_s", "warm_gen_s", "warm_decode_tok_s", "ms_per_step", "memory_gib", "same_as_eager"]
     meta = device_meta() | {"prompt": args.prompt, "new": args.new, "dtype": args.dtype, "model": "Llama-3.2-1B shape" if not args.quick else "tiny Llama"}
@@ -269,11 +311,17 @@ def main(argv=None) -> int:
 
     meta["transformers"] = transformers.__version__
     meta["targets"] = targets
+    meta["sampling_targets"] = sampling_targets
+    meta["sampling"] = SAMPLING
     meta["run_s"] = round(time.perf_counter() - started, 1)
     write_outputs("transformers_generate", rows, columns, args.out, meta, lambda ax, measured: draw(ax, measured, args.new))
     print(f"targets: breakgraph's cold generation >= {COLD_TARGET:g}x faster than torch.compile's, and within {WARM_TARGET:g}x of its own warm one")
     for line in targets:
         print(f"  {line}")
+    if sampling_targets:
+        print(f"target: sampling's warm decode tokens/s >= {SAMPLING_TARGET:g}x greedy's, in each mode")
+        for line in sampling_targets:
+            print(f"  {line}")
     print(f"the whole run took {meta['run_s']:.0f} s")
     return 0
 

@@ -115,6 +115,33 @@ def test_transformers_generate_says_which_cold_targets_are_met(tmp_path):
     assert (tmp_path / "transformers_generate.png").stat().st_size > 0
 
 
+def test_transformers_generate_says_what_sampling_costs_against_greedy_per_mode():
+    pytest.importorskip("transformers", reason="the transformers extra is not installed")
+    from benchmarks import transformers_generate as bench
+
+    measured = {
+        "compile": fake_result(30.0, 0.5, 300.0),
+        "breakable": fake_result(0.8, 0.4, 400.0, capture_s=0.5),
+        "full": fake_result(0.6, 0.45, 360.0, capture_s=0.4),
+        "breakable_sampling": fake_result(0.9, 0.41, 388.0, capture_s=0.5),  # 0.97x greedy's: met
+        "full_sampling": fake_result(0.7, 0.5, 324.0, capture_s=0.4),  # 0.90x: not met
+    }
+    row, lines = bench.ratios(8, measured)
+    assert row["warm_decode_tok_s"] == (
+        "breakable/compile 1.33x; full/compile 1.20x; breakable sampling/greedy 0.97x; full sampling/greedy 0.90x"
+    )
+    assert len(lines) == 2  # the cold targets' lines stay one per greedy variant
+    assert bench.sampling_costs(8, measured) == [
+        "batch 8, breakgraph breakable: sampling decodes 388.0 tokens/s, 0.97x greedy's 400.0 (met)",
+        "batch 8, breakgraph full: sampling decodes 324.0 tokens/s, 0.90x greedy's 360.0 (NOT met)",
+    ]
+    alone, _ = bench.ratios(8, {"full": measured["full"], "full_sampling": measured["full_sampling"]})
+    assert alone["warm_decode_tok_s"] == "full sampling/greedy 0.90x"
+    assert bench.sampling_costs(8, {"full_sampling": measured["full_sampling"]}) == []
+    sampled = bench.row_of("full_sampling", 8, 128, measured["full_sampling"], None)
+    assert sampled["variant"] == "breakgraph full, sampling" and sampled["same_as_eager"] == "-"
+
+
 def test_decode_step_times_every_variant_cold_at_lengths_no_step_had(monkeypatch):
     from benchmarks import decode_step
 

@@ -2,11 +2,14 @@
 
 Select breakgraph's attention with one line, and a :class:`Generator`
 captures the model's decode step once per batch size with a
-:class:`~breakgraph.GraphRunner` and generates greedily::
+:class:`~breakgraph.GraphRunner` and generates, greedily or sampling as
+transformers samples (the token drawn inside the graph)::
 
     from breakgraph import hf
     model.set_attn_implementation("breakgraph")
-    tokens = hf.Generator(model, max_length=512).generate(input_ids, max_new_tokens=128)
+    generator = hf.Generator(model, max_length=512)
+    tokens = generator.generate(input_ids, max_new_tokens=128)
+    drawn = generator.generate(input_ids, 128, do_sample=True, temperature=0.7, top_p=0.9)
 
 Everything but attention is captured. Attention (:mod:`breakgraph.hf.attention`)
 is an ``@eager_on_graph`` break that reads each row's length on the host and
@@ -32,13 +35,16 @@ Modules: :mod:`~breakgraph.hf.shapes` (model shapes to try),
 :mod:`~breakgraph.hf.cache` (the static cache), :mod:`~breakgraph.hf.sdpa`
 and :mod:`~breakgraph.hf.attention` (the break),
 :mod:`~breakgraph.hf.registration` (what transformers calls),
-:mod:`~breakgraph.hf.end_tokens` and :mod:`~breakgraph.hf.generation` (the Generator).
+:mod:`~breakgraph.hf.sampling` (transformers' sampling filters, read from device tensors, and a
+draw a graph can hold), :mod:`~breakgraph.hf.end_tokens` and :mod:`~breakgraph.hf.generation`
+(the Generator).
 """
 
 from breakgraph.hf.attention import attend, attend_in_graph
 from breakgraph.hf.cache import KVCache, RowLengths
 from breakgraph.hf.generation import STOP_CHECK_STEPS, Generator
 from breakgraph.hf.registration import ATTENTION, attention_forward, attention_mask, register
+from breakgraph.hf.sampling import Sampling, sample
 from breakgraph.hf.shapes import LLAMA_3_2_1B
 
 register()
@@ -50,9 +56,11 @@ __all__ = [
     "LLAMA_3_2_1B",
     "RowLengths",
     "STOP_CHECK_STEPS",
+    "Sampling",
     "attend",
     "attend_in_graph",
     "attention_forward",
     "attention_mask",
     "register",
+    "sample",
 ]

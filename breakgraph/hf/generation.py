@@ -1,20 +1,24 @@
-"""Greedy generation whose decode step is captured per batch size: the :class:`Generator`."""
+"""Generation whose decode step is captured per batch size: the :class:`Generator`."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
-from typing import Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from transformers import PreTrainedModel
 
 import breakgraph as bg
-from breakgraph.checks import require_choice, require_count
+from breakgraph.checks import refuse_unknown, require_bool, require_choice, require_count
 from breakgraph.hf.cache import KVCache
 from breakgraph.hf.end_tokens import EndTokens
 from breakgraph.hf.registration import ATTENTION, generating_into
+from breakgraph.hf.sampling import Sampling, sample
 
 STOP_CHECK_STEPS = 16  # generate() reads the end tokens back this often: one host sync each
+_SAMPLING_KEYWORDS = ("do_sample", "temperature", "top_k", "top_p", "generator")
 
 
 def _cache_keyword(model: PreTrainedModel) -> str:
@@ -24,13 +28,15 @@ def _cache_keyword(model: PreTrainedModel) -> str:
 
 
 class Generator:
-    """Greedy generation with a transformers causal LM whose decode step is captured per batch size.
+    """Generation with a transformers causal LM whose decode step is captured per batch size.
 
     The key/value cache holds ``max_batch_size`` rows of ``max_length``
     tokens (prompt and generated). Prefill runs eagerly; every later token
     comes from one replay of the graph captured for the smallest batch size
     that fits, or eagerly for a batch above the largest captured size.
-    Graphs are captured on the first :meth:`generate`, or by :meth:`capture`.
+    Greedy decoding and sampling are two steps with graphs of their own: the
+    greedy step's are captured on the first greedy :meth:`generate`, the
+    sampling step's on the first that samples, or either by :meth:`capture`.
 
     Arguments:
         model (PreTrainedModel): a causal LM in eval mode on its device, using breakgraph's
@@ -46,7 +52,8 @@ class Generator:
         debug (bool, optional): the runner's debug mode; None: ``BREAKGRAPH_DEBUG``.
         measure_memory (bool, default False): have the runner measure its executables' memory.
 
-    ``runner`` is the :class:`~breakgraph.GraphRunner` (``report()``, ``memory()``, ``release()``).
+    ``runner`` is the greedy step's :class:`~breakgraph.GraphRunner` (``report()``, ``memory()``,
+    ``release()``), ``sampling_runner`` the sampling step's, with a memory pool of its own.
     """
 
     def __init__(
@@ -81,10 +88,19 @@ class Generator:
             "input_ids": torch.zeros(max_batch_size, 1, dtype=torch.long, device=self.device),
             "positions": torch.zeros(max_batch_size, dtype=torch.long, device=self.device),
         }
-        self.runner = bg.GraphRunner(
-            self._decode_step, static, capture_sizes, modes=mode, progress=progress, debug=debug, measure_memory=measure_memory
+        options = dict(modes=mode, progress=progress, debug=debug, measure_memory=measure_memory)
+        self.runner = bg.GraphRunner(self._decode_step, static, capture_sizes, **options)
+        # The sampling graphs draw from this generator, whatever the call draws from: a graph
+        # draws from the generators it was captured with (see _drawing_from).
+        self._draws = torch.Generator(device=self.device)
+        self.sampling_runner = bg.GraphRunner(
+            self._sampling_step,
+            {name: torch.zeros_like(buffer) for name, buffer in static.items()} | Sampling().rows(max_batch_size, self.device),
+            capture_sizes,
+            generators=(self._draws,) if self.device.type == "cuda" else (),
+            **options,
         )
-        self._captured = False
+        self._captured: set[bool] = set()  # the steps captured: sampling (True) or greedy (False)
 
     def _require_inference_with_breakgraph_attention(self) -> None:
         # A private attribute: transformers has no public way to read the implementation a model runs.
@@ -125,12 +141,25 @@ class Generator:
         logits = self._forward(input_ids, positions)
         return logits, logits.argmax(-1)
 
-    def capture(self) -> Generator:
-        """Capture every batch size now, rather than on the first :meth:`generate`."""
-        if not self._captured:
+    def _sampling_step(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    ):
+        logits = self._forward(input_ids, positions)
+        return logits, sample(logits, temperature, top_k, top_p, generator=self._draws)
+
+    def capture(self, sampling: bool = False) -> Generator:
+        """Capture every batch size of a step now, rather than on the first :meth:`generate` that
+        needs it.
+
+        Arguments:
+            sampling (bool, default False): capture the sampling step's graphs (what
+                ``generate(do_sample=True)`` replays) rather than the greedy step's.
+        """
+        require_bool("sampling", sampling)
+        if sampling not in self._captured:
             with torch.inference_mode():
-                self.runner.capture()
-            self._captured = True
+                (self.sampling_runner if sampling else self.runner).capture()
+            self._captured.add(sampling)
         return self
 
     @torch.inference_mode()
@@ -142,8 +171,9 @@ class Generator:
         eos_token_id: int | Sequence[int] | None = None,
         pad_token_id: int | None = None,
         return_logits: bool = False,
+        **sampling: Any,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Greedy tokens after ``input_ids``, as ``model.generate(do_sample=False)`` returns them.
+        """New tokens after ``input_ids``, as ``model.generate()`` returns them: greedy, or drawn.
 
         Arguments:
             input_ids (torch.Tensor): ``(n, T)`` prompts, left-padded where ``attention_mask`` says
@@ -157,33 +187,52 @@ class Generator:
             pad_token_id (int, optional): what pads a row after its end; by default the generation
                 config's, else the first end token.
             return_logits (bool, default False): also return the logits of every new token.
+            **sampling: transformers' ``do_sample``, ``temperature``, ``top_k`` and ``top_p``
+                (:class:`~breakgraph.hf.Sampling`; each by default the generation config's, else
+                greedy, 1.0, 50, 1.0), and ``generator`` (torch.Generator on the model's device,
+                optional): what the draws come from; by default the device's default generator.
+                With ``do_sample`` the token is drawn inside the captured step, the other settings
+                read from device buffers, so every setting replays the same graphs.
 
         Returns the prompt and new tokens, ``(n, T + new)``; with ``return_logits`` also the
         logits, ``(n, new, vocab)``.
         """
+        refuse_unknown("Generator.generate", sampling, _SAMPLING_KEYWORDS)
+        generator = sampling.pop("generator", None)
+        settings = Sampling.resolve(self.model.generation_config, **sampling)
+        if settings.do_sample:
+            self._require_generator_on_device(generator)
         self._require_inference_with_breakgraph_attention()  # another attention would ignore the cache's lengths
         prompt_lengths = self._prompt_lengths(input_ids, attention_mask, max_new_tokens)
-        self.capture()  # before the prefill: capturing runs the step, which writes cache slots
+        self.capture(settings.do_sample)  # before the prefill: capturing runs the step, which writes cache slots
         input_ids = input_ids.to(self.device)
         end = EndTokens.resolve(self.model.generation_config, eos_token_id, pad_token_id)
-        tokens, logits = self._new_tokens(input_ids, prompt_lengths, max_new_tokens, end, return_logits)
+        with self._drawing_from(generator) if settings.do_sample else contextlib.nullcontext():
+            tokens, logits = self._new_tokens(input_ids, prompt_lengths, max_new_tokens, end, return_logits, settings)
         tokens = end.pad_after_stop(tokens)
         out = torch.cat([input_ids, tokens], dim=1)
         return (out, torch.stack(logits[: tokens.shape[1]], dim=1)) if return_logits else out
 
     def _new_tokens(
-        self, input_ids: torch.Tensor, prompt_lengths: list[int], max_new_tokens: int, end: EndTokens, keep_logits: bool
+        self, input_ids: torch.Tensor, prompt_lengths: list[int], max_new_tokens: int, end: EndTokens, keep_logits: bool,
+        settings: Sampling,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Up to ``max_new_tokens`` greedy tokens per row (the prefill's, then one per decode
-        step, until every row has ended), and their logits if ``keep_logits``."""
+        """Up to ``max_new_tokens`` tokens per row (the prefill's, then one per decode step, until
+        every row has ended), and their logits if ``keep_logits``."""
         tokens = torch.empty(input_ids.shape[0], max_new_tokens, dtype=torch.long, device=self.device)
         first = self._prefill(input_ids, prompt_lengths)
-        tokens[:, 0] = first.argmax(-1)
+        if settings.do_sample:
+            rows = settings.rows(input_ids.shape[0], self.device)
+            tokens[:, 0] = sample(first, **rows, generator=self._draws)
+            decode = functools.partial(self.sampling_runner, **rows)
+        else:
+            tokens[:, 0] = first.argmax(-1)
+            decode = self.runner
         logits = [first] if keep_logits else []
         positions = torch.tensor(prompt_lengths, device=self.device)
         for step in range(1, max_new_tokens):
             self.cache.lengths.set([length + step for length in prompt_lengths])
-            step_logits, token = self.runner(input_ids=tokens[:, step - 1 : step], positions=positions)
+            step_logits, token = decode(input_ids=tokens[:, step - 1 : step], positions=positions)
             tokens[:, step] = token
             if keep_logits:
                 logits.append(step_logits.clone())
@@ -192,6 +241,31 @@ class Generator:
             if produced % STOP_CHECK_STEPS == 0 and end.all_stopped(tokens[:, :produced]):
                 return tokens[:, :produced], logits
         return tokens, logits
+
+    def _require_generator_on_device(self, generator: Any) -> None:
+        if generator is None:
+            return
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+        device = generator.device
+        if device.type != self.device.type or device.index not in (None, self.device.index):
+            raise ValueError(
+                f"generator is on {device}, but the model is on {self.device}, where the tokens are drawn: "
+                f"pass one made there, torch.Generator({str(self.device)!r})"
+            )
+
+    @contextlib.contextmanager
+    def _drawing_from(self, generator: torch.Generator | None) -> Iterator[None]:
+        """Draw from ``generator`` (None: the device's default) for the body's length, through the
+        Generator's own generator, which the sampling graphs were captured with: it starts from
+        ``generator``'s state and hands the advanced state back, as if ``generator`` had drawn."""
+        if generator is None:
+            generator = torch.cuda.default_generators[self.device.index] if self.device.type == "cuda" else torch.default_generator
+        self._draws.set_state(generator.get_state())
+        try:
+            yield
+        finally:
+            generator.set_state(self._draws.get_state())
 
     def _prompt_lengths(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int) -> list[int]:
         """Each row's prompt length, once the call is checked against the cache."""
