@@ -101,16 +101,22 @@ class GraphRunner:
         return self._memory.refusals
 
     # -- capture ----------------------------------------------------------------------
-    def capture(self) -> "GraphRunner":
+    def capture(self, keys: Sequence[Hashable] | None = None) -> "GraphRunner":
         """Capture every (key, size), largest size first, into one shared memory pool.
-        With ``lazy=True`` this only prepares the pool: sizes are captured on first use."""
+        With ``lazy=True`` this only prepares the pool: sizes are captured on first use.
+
+        Arguments:
+            keys (sequence of keys, optional): capture only these keys' sizes now (the
+                others by a later call, or on first use); default: every key.
+        """
+        wanted = self.keys if keys is None else _known_keys(keys, self.keys)
         if self.eager_reason is not None:
             return self
         self.inputs.require_cuda()
         pool = self._memory.ensure_pool()
         if self.options.lazy:
             return self
-        work = sorted(((key, size) for key, sizes in self.sizes_by_key.items() for size in sizes), key=lambda item: -item[1])
+        work = sorted(((key, size) for key in wanted for size in self.sizes_by_key[key]), key=lambda item: -item[1])
         if self.options.progress:
             from tqdm import tqdm
 
@@ -273,6 +279,16 @@ def _checked_keys(keys: Sequence[Hashable] | None, key_fn: Callable | None) -> t
     if len(set(keys)) != len(keys):
         raise ValueError(f"keys must be distinct, got {list(keys)}")
     return list(keys), key_fn
+
+
+def _known_keys(keys: Sequence[Hashable], known: list) -> list:
+    """``keys`` as a list, once each is one of ``known`` (the runner's)."""
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, (list, tuple)):
+        raise TypeError(f"keys must be a list of this runner's keys, got {keys!r}")
+    unknown = [key for key in keys if key not in known]
+    if unknown:
+        raise ValueError(f"keys {unknown} are not this runner's; its keys are {known}")
+    return list(keys)
 
 
 def _sizes_by_key(capture_sizes, keys: list, modes: dict, max_size: int) -> dict[Hashable, list[int]]:

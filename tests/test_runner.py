@@ -92,6 +92,16 @@ def test_runner_modes_are_checked():
     assert runner.select(2, ["a", "b"]) == ("b", 2)  # a key with mode "none" has no graphs
 
 
+def test_capture_refuses_keys_the_runner_does_not_have():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        runner = bg.GraphRunner(lambda x, key: x, torch.zeros(4, 2), keys=["a", "b"], key_fn=lambda x: ["a"], progress=False)
+    with pytest.raises(ValueError, match=r"keys \['c'\] are not this runner's; its keys are \['a', 'b'\]"):
+        runner.capture(keys=["a", "c"])
+    with pytest.raises(TypeError, match="keys must be a list of this runner's keys, got 'a'"):
+        runner.capture(keys="a")
+
+
 def test_memory_planning_arguments_are_checked_and_need_a_gpu_where_they_touch_one():
     with pytest.raises(TypeError, match="share_executables must be True or False"):
         bg.GraphRunner(lambda x: x, torch.zeros(4, 2), share_executables="yes")

@@ -104,6 +104,20 @@ def test_keys_pick_graph_variants_in_priority_order():
     assert_close(runner(neg), neg * 3)
 
 
+def test_capture_of_some_keys_leaves_the_others_for_a_later_call():
+    static = torch.zeros(4, 4, device=DEV)
+    runner = bg.GraphRunner(
+        lambda x, key: x * (2 if key == "a" else 3), static, capture_sizes=[1, 4], keys=["a", "b"], key_fn=lambda x: ["b"], progress=False
+    )
+    runner.capture(keys=["b"])
+    assert sorted(runner.graphs) == [("b", 1), ("b", 4)]
+    x = torch.rand(3, 4, device=DEV)
+    assert_close(runner(x), x * 3)
+    runner.capture()  # the rest, into the same pool
+    assert sorted(runner.graphs) == [("a", 1), ("a", 4), ("b", 1), ("b", 4)]
+    assert {graph.pool for graph in runner.graphs.values()} == {runner.pool}
+
+
 @torch.no_grad()
 def test_debug_mode_runner_matches_eager():
     model, runner = _runner(capture_sizes=[2, 4], debug=True, progress=False)
