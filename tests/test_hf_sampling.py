@@ -203,6 +203,31 @@ def test_draws_follow_the_filtered_softmax_and_transformers_sampling(temperature
     assert torch.equal(torch.isfinite(warped(LOGITS[None], temperature, top_k, top_p))[0], probs > 0)
 
 
+NARROW = {name: setting for name, setting in SETTINGS.items() if 1 <= setting[1] <= 10}  # top-k keeps at most 10
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", list(NARROW.values()), ids=list(NARROW))
+def test_a_draw_among_candidates_follows_the_same_distribution(temperature, top_k, top_p):
+    batch = LOGITS.expand(DRAWS, -1)
+    rows = hf.Sampling(True, temperature, top_k, top_p).rows(DRAWS, "cpu")
+    ours = torch.bincount(hf.sample(batch, **rows, generator=torch.Generator().manual_seed(4), candidates=10), minlength=16)
+    theirs = torch.bincount(transformers_draws(batch, temperature, top_k, top_p, torch.Generator().manual_seed(5)), minlength=16)
+    assert goodness_of_fit(ours, expected_probabilities(LOGITS, temperature, top_k, top_p)) > P_VALUE
+    assert same_distribution(ours, theirs) > P_VALUE
+
+
+@pytest.mark.parametrize("top_k, top_p", [(1, 1.0), (50, 1.0), (50, 0.9), (hf.CANDIDATES, 0.95), (hf.CANDIDATES, 1.0)])
+def test_the_candidates_hold_what_transformers_keeps_where_top_k_keeps_no_more_than_they_are(top_k, top_p):
+    logits = torch.randn(64, 1000) * 3
+    rows = hf.Sampling(True, 0.8, top_k, top_p).rows(64, "cpu")
+    scores, tokens = logits.topk(hf.CANDIDATES, dim=-1)
+    kept = torch.full_like(logits, -math.inf).scatter(-1, tokens, warp(scores, **rows))
+    theirs = transformers_warped(logits, 0.8, top_k, top_p)
+    assert torch.equal(torch.isfinite(kept), torch.isfinite(theirs))
+    torch.testing.assert_close(kept.softmax(-1), theirs.softmax(-1))
+    assert hf.Sampling(True, top_k=top_k).among_candidates and not hf.Sampling(True, top_k=0).among_candidates
+
+
 def test_the_fit_tells_a_wrong_distribution_apart():
     """The test above can fail: the same draws against slightly wrong settings."""
     rows = hf.Sampling(True, 0.7, 10, 0.9).rows(DRAWS, "cpu")
@@ -260,15 +285,16 @@ def test_a_seeded_generator_gives_the_same_tokens_and_another_seed_others(genera
     assert torch.equal(first[:, :8], ids)
 
 
-def test_the_user_s_generator_advances_as_if_it_had_drawn_every_token(generator):
+@pytest.mark.parametrize("top_k, raced", [(0, 300), (50, min(hf.CANDIDATES, 300))])  # over the vocabulary, or the candidates
+def test_the_user_s_generator_advances_as_if_it_had_drawn_every_token(generator, top_k, raced):
     ids = torch.randint(0, 300, (2, 5))
     mine = seeded(9)
-    first = generator.generate(ids, 6, do_sample=True, temperature=0.8, generator=mine)
+    first = generator.generate(ids, 6, do_sample=True, temperature=0.8, top_k=top_k, generator=mine)
     reference = seeded(9)
-    for _ in range(6):  # one exponential race over (rows, vocab) per token
-        torch.empty(2, 300).exponential_(generator=reference)
+    for _ in range(6):  # one exponential race over (rows, what it races) per token
+        torch.empty(2, raced).exponential_(generator=reference)
     assert torch.equal(mine.get_state(), reference.get_state())
-    second = generator.generate(ids, 6, do_sample=True, temperature=0.8, generator=mine)
+    second = generator.generate(ids, 6, do_sample=True, temperature=0.8, top_k=top_k, generator=mine)
     assert not torch.equal(second, first)  # it goes on from where the first call left it
 
 

@@ -44,13 +44,14 @@ from breakgraph.hf.attention import attend, attend_in_graph
 from breakgraph.hf.cache import KVCache, RowLengths
 from breakgraph.hf.generation import STOP_CHECK_STEPS, Generator
 from breakgraph.hf.registration import ATTENTION, attention_forward, attention_mask, register
-from breakgraph.hf.sampling import Sampling, sample
+from breakgraph.hf.sampling import CANDIDATES, Sampling, sample
 from breakgraph.hf.shapes import LLAMA_3_2_1B
 
 register()
 
 __all__ = [
     "ATTENTION",
+    "CANDIDATES",
     "Generator",
     "KVCache",
     "LLAMA_3_2_1B",

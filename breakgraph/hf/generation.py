@@ -15,10 +15,14 @@ from breakgraph.checks import refuse_unknown, require_bool, require_choice, requ
 from breakgraph.hf.cache import KVCache
 from breakgraph.hf.end_tokens import EndTokens
 from breakgraph.hf.registration import ATTENTION, generating_into
-from breakgraph.hf.sampling import Sampling, sample
+from breakgraph.hf.sampling import CANDIDATES, Sampling, sample
 
 STOP_CHECK_STEPS = 16  # generate() reads the end tokens back this often: one host sync each
 _SAMPLING_KEYWORDS = ("do_sample", "temperature", "top_k", "top_p", "generator")
+# The sampling step's two graph variants (its runner's keys): drawing among the CANDIDATES highest
+# scores, where top-k keeps no more, or over the sorted vocabulary.
+AMONG_CANDIDATES, OVER_VOCABULARY = "among candidates", "over the vocabulary"
+_GREEDY = "greedy"
 
 
 def _cache_keyword(model: PreTrainedModel) -> str:
@@ -37,6 +41,10 @@ class Generator:
     Greedy decoding and sampling are two steps with graphs of their own: the
     greedy step's are captured on the first greedy :meth:`generate`, the
     sampling step's on the first that samples, or either by :meth:`capture`.
+    The sampling step has two variants, each captured on its first use: one
+    draws among the ``hf.CANDIDATES`` highest scores (where top-k keeps no
+    more: transformers' default top_k of 50 does), the other sorts the
+    vocabulary.
 
     Arguments:
         model (PreTrainedModel): a causal LM in eval mode on its device, using breakgraph's
@@ -97,10 +105,13 @@ class Generator:
             self._sampling_step,
             {name: torch.zeros_like(buffer) for name, buffer in static.items()} | Sampling().rows(max_batch_size, self.device),
             capture_sizes,
+            keys=[AMONG_CANDIDATES, OVER_VOCABULARY],
+            key_fn=lambda *args, **kwargs: [self._sampling_key],
             generators=(self._draws,) if self.device.type == "cuda" else (),
             **options,
         )
-        self._captured: set[bool] = set()  # the steps captured: sampling (True) or greedy (False)
+        self._sampling_key = AMONG_CANDIDATES  # the variant the call being served replays
+        self._captured: set[str] = set()  # greedy, and the sampling variants, once captured
 
     def _require_inference_with_breakgraph_attention(self) -> None:
         # A private attribute: transformers has no public way to read the implementation a model runs.
@@ -142,25 +153,40 @@ class Generator:
         return logits, logits.argmax(-1)
 
     def _sampling_step(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        key: str,
     ):
         logits = self._forward(input_ids, positions)
-        return logits, sample(logits, temperature, top_k, top_p, generator=self._draws)
+        candidates = CANDIDATES if key == AMONG_CANDIDATES else None
+        return logits, sample(logits, temperature, top_k, top_p, generator=self._draws, candidates=candidates)
 
     def capture(self, sampling: bool = False) -> Generator:
         """Capture every batch size of a step now, rather than on the first :meth:`generate` that
         needs it.
 
         Arguments:
-            sampling (bool, default False): capture the sampling step's graphs (what
-                ``generate(do_sample=True)`` replays) rather than the greedy step's.
+            sampling (bool, default False): capture the sampling step's graphs, both
+                variants (what ``generate(do_sample=True)`` replays), rather than the greedy step's.
         """
         require_bool("sampling", sampling)
-        if sampling not in self._captured:
-            with torch.inference_mode():
-                (self.sampling_runner if sampling else self.runner).capture()
-            self._captured.add(sampling)
+        self._capture_steps([AMONG_CANDIDATES, OVER_VOCABULARY] if sampling else [_GREEDY])
         return self
+
+    def _capture_steps(self, steps: Sequence[str]) -> None:
+        """Capture every batch size of the steps named (greedy, or a sampling variant) not captured yet."""
+        for step in steps:
+            if step not in self._captured:
+                with torch.inference_mode():
+                    if step == _GREEDY:
+                        self.runner.capture()
+                    else:
+                        self.sampling_runner.capture(keys=[step])
+                self._captured.add(step)
 
     @torch.inference_mode()
     def generate(
@@ -192,7 +218,8 @@ class Generator:
                 greedy, 1.0, 50, 1.0), and ``generator`` (torch.Generator on the model's device,
                 optional): what the draws come from; by default the device's default generator.
                 With ``do_sample`` the token is drawn inside the captured step, the other settings
-                read from device buffers, so every setting replays the same graphs.
+                read from device buffers, so a new setting captures nothing again once its
+                variant (see the class) is captured.
 
         Returns the prompt and new tokens, ``(n, T + new)``; with ``return_logits`` also the
         logits, ``(n, new, vocab)``.
@@ -204,7 +231,10 @@ class Generator:
             self._require_generator_on_device(generator)
         self._require_inference_with_breakgraph_attention()  # another attention would ignore the cache's lengths
         prompt_lengths = self._prompt_lengths(input_ids, attention_mask, max_new_tokens)
-        self.capture(settings.do_sample)  # before the prefill: capturing runs the step, which writes cache slots
+        step = _GREEDY if not settings.do_sample else AMONG_CANDIDATES if settings.among_candidates else OVER_VOCABULARY
+        self._capture_steps([step])  # before the prefill: capturing runs the step, which writes cache slots
+        if settings.do_sample:
+            self._sampling_key = step
         input_ids = input_ids.to(self.device)
         end = EndTokens.resolve(self.model.generation_config, eos_token_id, pad_token_id)
         with self._drawing_from(generator) if settings.do_sample else contextlib.nullcontext():
@@ -223,7 +253,8 @@ class Generator:
         first = self._prefill(input_ids, prompt_lengths)
         if settings.do_sample:
             rows = settings.rows(input_ids.shape[0], self.device)
-            tokens[:, 0] = sample(first, **rows, generator=self._draws)
+            candidates = CANDIDATES if settings.among_candidates else None
+            tokens[:, 0] = sample(first, **rows, generator=self._draws, candidates=candidates)
             decode = functools.partial(self.sampling_runner, **rows)
         else:
             tokens[:, 0] = first.argmax(-1)

@@ -8,7 +8,9 @@ reads nothing back to the host and captures nothing again. :func:`sample`
 draws from what is left by the exponential race (``argmax(p / q)`` with
 ``q ~ Exp(1)`` picks token ``i`` with probability ``p[i]``, as
 ``torch.multinomial(p, 1)`` does, but with no host sync, so a graph can hold
-it and draws afresh at every replay).
+it and draws afresh at every replay). Where top-k keeps at most
+:data:`CANDIDATES` tokens, :func:`sample` may draw among that many highest
+scores and leave the vocabulary unsorted.
 """
 
 from __future__ import annotations
@@ -25,6 +27,11 @@ from breakgraph.checks import require_bool
 
 # What transformers' generate() takes where neither the call nor the generation config says.
 DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
+
+CANDIDATES = 256
+"""The most tokens top-k may keep for :func:`sample` to draw among the highest-scoring
+``CANDIDATES`` only (``torch.topk``), rather than sorting the whole vocabulary: the sort
+costs a decode step more than the rest of sampling together."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +98,12 @@ class Sampling:
                 given[name] = DEFAULTS[name] if configured is None else configured
         return cls(**given)
 
+    @property
+    def among_candidates(self) -> bool:
+        """Whether top-k keeps at most :data:`CANDIDATES` tokens, so that :func:`sample` may
+        draw among that many highest scores (``candidates=CANDIDATES``)."""
+        return 1 <= self.top_k <= CANDIDATES
+
     def rows(self, n: int, device: torch.device | str) -> dict[str, torch.Tensor]:
         """The settings as :func:`sample` reads them: one value per row, ``n`` rows on ``device``.
 
@@ -147,17 +160,28 @@ def sample(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     generator: torch.Generator | None = None,
+    candidates: int | None = None,
 ) -> torch.Tensor:
     """One token per row, drawn from the softmax of :func:`warp`'s scores, as transformers'
     ``generate(do_sample=True)`` draws it; no host sync, so a graph can capture it.
+
+    With ``candidates``, the draw is among each row's ``candidates`` highest scores: the
+    same distribution where top-k keeps no more than that (every ``top_k`` in 1 to
+    ``candidates``), without sorting the vocabulary. Only tokens tied with the k-th highest
+    score beyond the candidates would be left out, where transformers keeps every tie.
 
     Arguments:
         logits (torch.Tensor): ``(n, vocab)``.
         temperature, top_k, top_p (torch.Tensor): ``(n,)`` each, as :meth:`Sampling.rows` makes them.
         generator (torch.Generator, optional): what to draw from; None: the device's default.
+        candidates (int, optional): draw among this many highest scores per row.
 
     Returns the tokens, ``(n,)`` int64.
     """
+    tokens = None
+    if candidates is not None:
+        logits, tokens = logits.topk(min(candidates, logits.shape[-1]), dim=-1)
     probs = warp(logits, temperature, top_k, top_p).softmax(dim=-1)
     race = torch.empty_like(probs).exponential_(generator=generator)
-    return probs.div_(race).argmax(dim=-1)
+    drawn = probs.div_(race).argmax(dim=-1)
+    return drawn if tokens is None else tokens.gather(-1, drawn[:, None]).squeeze(-1)

@@ -11,8 +11,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import breakgraph as bg
 from breakgraph import hf
+from breakgraph.hf.generation import AMONG_CANDIDATES, OVER_VOCABULARY
 from tests.test_hf_sampling import (
     LOGITS,
+    NARROW,
     P_VALUE,
     SETTINGS,
     expected_probabilities,
@@ -48,6 +50,20 @@ def test_a_captured_draw_follows_the_filtered_softmax_and_transformers_sampling(
     probs = expected_probabilities(LOGITS, temperature, top_k, top_p)
     assert goodness_of_fit(ours, probs) > P_VALUE
     assert same_distribution(ours, theirs) > P_VALUE
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", list(NARROW.values()), ids=list(NARROW))
+def test_a_captured_draw_among_candidates_follows_the_same_distribution(temperature, top_k, top_p):
+    logits = LOGITS.to(DEV).expand(ROWS, -1).contiguous()
+    rows = hf.Sampling(True, temperature, top_k, top_p).rows(ROWS, DEV)
+    step = bg.graphed(hf.sample, logits, rows["temperature"], rows["top_k"], rows["top_p"], candidates=10)
+    draws = []
+    for _ in range(REPLAYS):
+        step.output.fill_(-1)
+        draws.append(step.replay().clone())
+    assert not torch.equal(draws[0], draws[1])
+    ours = torch.bincount(torch.cat(draws), minlength=16).cpu()
+    assert goodness_of_fit(ours, expected_probabilities(LOGITS, temperature, top_k, top_p)) > P_VALUE
 
 
 def test_a_captured_draw_reads_each_row_s_settings_at_replay():
@@ -104,25 +120,30 @@ def test_the_sampling_graphs_are_captured_on_first_sampling_use_and_draw_in_the_
     with pytest.raises(ValueError, match="top_p must be in"):
         generator.generate(prompts(3), 8, do_sample=True, top_p=0.0)
     assert not generator.sampling_runner.graphs  # refused before anything was captured
-    generator.generate(prompts(3), 8, do_sample=True)
-    assert sorted(generator.sampling_runner.graphs) == [(None, 1), (None, 2), (None, 4)]
+    generator.generate(prompts(3), 8, do_sample=True)  # transformers' default top_k, 50: among the candidates
+    assert sorted(generator.sampling_runner.graphs) == [(AMONG_CANDIDATES, 1), (AMONG_CANDIDATES, 2), (AMONG_CANDIDATES, 4)]
+    generator.generate(prompts(3), 8, do_sample=True, top_k=0, top_p=0.9)  # the other variant, on its first use
+    assert sorted(generator.sampling_runner.graphs) == sorted(
+        (key, size) for key in (AMONG_CANDIDATES, OVER_VOCABULARY) for size in (1, 2, 4)
+    )
     assert all(graph.draws_random_numbers for graph in generator.sampling_runner.graphs.values())
     generator.runner.release()
     generator.sampling_runner.release()
 
     up_front = hf.Generator(model, max_length=48, max_batch_size=4, mode=mode, progress=False).capture(sampling=True)
-    assert len(up_front.sampling_runner.graphs) == 3 and not up_front.runner.graphs
+    assert len(up_front.sampling_runner.graphs) == 6 and not up_front.runner.graphs
     up_front.sampling_runner.release()
 
 
-def test_a_seeded_generator_gives_the_same_tokens_run_to_run_and_advances(generator):
+@pytest.mark.parametrize("top_k", [40, 0])  # among the candidates, over the vocabulary
+def test_a_seeded_generator_gives_the_same_tokens_run_to_run_and_advances(generator, top_k):
     ids = prompts(3)
     mine = seeded(5)
-    first = generator.generate(ids, 24, do_sample=True, temperature=0.9, top_k=40, top_p=0.95, generator=mine)
+    first = generator.generate(ids, 24, do_sample=True, temperature=0.9, top_k=top_k, top_p=0.95, generator=mine)
     assert not torch.equal(mine.get_state(), seeded(5).get_state())  # it advanced, as if it had drawn
-    again = generator.generate(ids, 24, do_sample=True, temperature=0.9, top_k=40, top_p=0.95, generator=seeded(5))
+    again = generator.generate(ids, 24, do_sample=True, temperature=0.9, top_k=top_k, top_p=0.95, generator=seeded(5))
     assert torch.equal(again, first)
-    later = generator.generate(ids, 24, do_sample=True, temperature=0.9, top_k=40, top_p=0.95, generator=mine)
+    later = generator.generate(ids, 24, do_sample=True, temperature=0.9, top_k=top_k, top_p=0.95, generator=mine)
     assert not torch.equal(later, first)  # it goes on from where the first call left it
 
 
