@@ -88,3 +88,17 @@ def transformers_eager_generate(model, input_ids, new_tokens: int, **kwargs):
         return model.generate(input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **kwargs)
     finally:
         model.set_attn_implementation("breakgraph")
+
+
+def tiny_llama():
+    """A 2-layer Llama of 300 tokens with random weights, in eval mode on the CPU, with no end or
+    pad token (generation runs every step asked for)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    )
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.pad_token_id = model.generation_config.eos_token_id = None
+    return model

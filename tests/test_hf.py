@@ -29,7 +29,7 @@ from transformers import (
 from transformers.masking_utils import AttentionMaskInterface
 
 from breakgraph import hf
-from tests.helpers import transformers_eager_generate
+from tests.helpers import tiny_llama, transformers_eager_generate
 
 # Without a GPU the runner warns that it runs eagerly. A deprecation (transformers warns with
 # FutureWarning) fails the test: breakgraph passes nothing a release of its range deprecates.
@@ -51,13 +51,7 @@ def no_deprecation_logged(caplog):
 
 @pytest.fixture(scope="module")
 def model():
-    config = LlamaConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-    )
-    model = LlamaForCausalLM(config).eval()
-    model.generation_config.pad_token_id = model.generation_config.eos_token_id = None
-    return model
+    return tiny_llama()
 
 
 def generator(model, **kwargs):

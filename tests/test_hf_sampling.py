@@ -10,12 +10,12 @@ import torch
 
 pytest.importorskip("transformers", reason="the transformers extra is not installed (pip install -e '.[transformers]')")
 
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import GenerationConfig
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from breakgraph import hf
 from breakgraph.hf.sampling import warp
-from tests.helpers import transformers_eager_generate
+from tests.helpers import tiny_llama, transformers_eager_generate
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # without a GPU the runners warn that they run eagerly
 
@@ -258,12 +258,7 @@ def test_rows_draw_with_their_own_settings():
 
 @pytest.fixture(scope="module")
 def model():
-    config = LlamaConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-    )
-    model = LlamaForCausalLM(config).eval()
-    model.generation_config.pad_token_id = model.generation_config.eos_token_id = None
+    model = tiny_llama()
     model.set_attn_implementation(hf.ATTENTION)
     return model
 
