@@ -13,8 +13,9 @@ from transformers import PreTrainedModel
 import breakgraph as bg
 from breakgraph.checks import refuse_unknown, require_bool, require_choice, require_count
 from breakgraph.hf.cache import KVCache
+from breakgraph.hf.compiled import compile_keywords, compiled_forward
 from breakgraph.hf.end_tokens import EndTokens
-from breakgraph.hf.registration import ATTENTION, generating_into
+from breakgraph.hf.registration import ATTENTION, COMPILED_CACHE, generating_into
 from breakgraph.hf.sampling import CANDIDATES, Sampling, sample
 
 STOP_CHECK_STEPS = 16  # generate() reads the end tokens back this often: one host sync each
@@ -29,6 +30,13 @@ def _cache_keyword(model: PreTrainedModel) -> str:
     """The keyword the model's forward takes its cache by: ``cache`` where it has that parameter
     (newer transformers, which deprecate ``past_key_values``), else ``past_key_values``."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _takes_cache_position(model: PreTrainedModel) -> bool:
+    """Whether the model's forward takes ``cache_position`` (older transformers): without it, such
+    a forward reads the cache's length on the host to make them, which a compiled forward would
+    guard on, compiling again at every step."""
+    return "cache_position" in inspect.signature(model.forward).parameters
 
 
 class Generator:
@@ -59,6 +67,11 @@ class Generator:
         progress (bool, default True): show the runner's capture progress bar.
         debug (bool, optional): the runner's debug mode; None: ``BREAKGRAPH_DEBUG``.
         measure_memory (bool, default False): have the runner measure its executables' memory.
+        compile (bool or dict, default False): compile the decode step's forward with
+            ``torch.compile`` (Inductor, without CUDA graphs of its own) and capture the compiled
+            code, attention the break; a dict gives torch.compile's ``backend``, ``mode``,
+            ``options``, ``dynamic`` or ``fullgraph``. Prefill runs uncompiled. The runner warms
+            each batch size up before its capture, which compiles.
 
     ``runner`` is the greedy step's :class:`~breakgraph.GraphRunner` (``report()``, ``memory()``,
     ``release()``), ``sampling_runner`` the sampling step's, with a memory pool of its own.
@@ -75,6 +88,7 @@ class Generator:
         progress: bool = True,
         debug: bool | None = None,
         measure_memory: bool = False,
+        compile: bool | dict = False,
     ):
         require_count("max_length", max_length, least=2)
         require_count("max_batch_size", max_batch_size)
@@ -86,17 +100,25 @@ class Generator:
             )
         self.model = model
         self._require_inference_with_breakgraph_attention()
+        compiling = compile_keywords(compile)
         if capture_sizes is not None and max(capture_sizes) > max_batch_size:
             raise ValueError(f"capture_sizes {list(capture_sizes)} go above max_batch_size {max_batch_size}: raise max_batch_size")
         parameter = next(model.parameters())
         self.device = parameter.device
         self.cache = KVCache(model.config, max_batch_size, max_length, parameter.dtype, parameter.device)
         self._cache_keyword = _cache_keyword(model)
+        self._compiled = None if compiling is None else compiled_forward(model, compiling)
+        # A 4D mask transformers passes on as given rather than building one: breakgraph's attention
+        # reads the rows' lengths instead, and the compiled forward then reads no host value.
+        self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
+        self._takes_cache_position = _takes_cache_position(model)
         static = {
             "input_ids": torch.zeros(max_batch_size, 1, dtype=torch.long, device=self.device),
             "positions": torch.zeros(max_batch_size, dtype=torch.long, device=self.device),
         }
         options = dict(modes=mode, progress=progress, debug=debug, measure_memory=measure_memory)
+        if self._compiled is not None:
+            options["warmup"] = 1  # compiled for each size before its capture: no compile inside one
         self.runner = bg.GraphRunner(self._decode_step, static, capture_sizes, **options)
         # The sampling graphs draw from this generator, whatever the call draws from: a graph
         # draws from the generators it was captured with (see _drawing_from).
@@ -132,24 +154,27 @@ class Generator:
     def max_length(self) -> int:
         return self.cache.token_capacity
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, first_row: int = 0) -> torch.Tensor:
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, first_row: int = 0, decode: bool = False) -> torch.Tensor:
         """Logits of ``input_ids`` (``(b, q)``), whose row ``r`` starts at slot ``positions[r]`` of
-        cache row ``first_row + r``."""
+        cache row ``first_row + r``; a ``decode`` step runs the compiled forward where there is one."""
         batch, length = input_ids.shape
         cache = self.cache
         cache.begin(positions, first_row, length)
+        position_ids = cache.position_ids(batch, length)
+        inputs = dict(input_ids=input_ids, position_ids=position_ids, use_cache=True, logits_to_keep=1)
+        inputs[self._cache_keyword] = cache
+        forward = self.model
+        if decode and self._compiled is not None:
+            forward = self._compiled
+            inputs |= {COMPILED_CACHE: cache, "attention_mask": self._no_mask}
+            if self._takes_cache_position:
+                inputs["cache_position"] = position_ids[0]  # what transformers does with them, breakgraph's cache ignores
         with generating_into(cache):
-            output = self.model(
-                input_ids=input_ids,
-                position_ids=cache.position_ids(batch, length),
-                use_cache=True,
-                logits_to_keep=1,
-                **{self._cache_keyword: cache},
-            )
+            output = forward(**inputs)
         return output.logits[:, -1]
 
     def _decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor):
-        logits = self._forward(input_ids, positions)
+        logits = self._forward(input_ids, positions, decode=True)
         return logits, logits.argmax(-1)
 
     def _sampling_step(
@@ -161,7 +186,7 @@ class Generator:
         top_p: torch.Tensor,
         key: str,
     ):
-        logits = self._forward(input_ids, positions)
+        logits = self._forward(input_ids, positions, decode=True)
         candidates = CANDIDATES if key == AMONG_CANDIDATES else None
         return logits, sample(logits, temperature, top_k, top_p, generator=self._draws, candidates=candidates)
 
@@ -179,6 +204,8 @@ class Generator:
 
     def _capture_steps(self, steps: Sequence[str]) -> None:
         """Capture every batch size of the steps named (greedy, or a sampling variant) not captured yet."""
+        if self._compiled is not None and not self._captured and self.runner.eager_reason is None:
+            self._compile_ahead()
         for step in steps:
             if step not in self._captured:
                 with torch.inference_mode():
@@ -187,6 +214,19 @@ class Generator:
                     else:
                         self.sampling_runner.capture(keys=[step])
                 self._captured.add(step)
+
+    @torch.inference_mode()
+    def _compile_ahead(self) -> None:
+        """Compile the decode forward at the smallest capture size, then the next one up.
+
+        torch.compile specialises a batch of 1 and makes the batch dynamic on
+        the second size it meets: smallest first, two compiles serve every
+        size, where the runner's largest-first warm-ups would need three.
+        """
+        sizes = sorted({size for sizes in self.runner.sizes_by_key.values() for size in sizes})
+        ids = torch.zeros(sizes[-1], 1, dtype=torch.long, device=self.device)
+        for size in sizes[:2]:
+            self._forward(ids[:size], ids[:size, 0], decode=True)
 
     @torch.inference_mode()
     def generate(

@@ -7,6 +7,13 @@ row's length. Anywhere else (``model.generate()``, training) it is
 transformers' own SDPA attention and mask, so selecting ``"breakgraph"``
 changes nothing outside a Generator. What a model asks of attention that the
 break does not apply is refused, never ignored.
+
+A Generator's compiled decode step (``Generator(compile=True)``) passes its
+cache as the keyword :data:`COMPILED_CACHE`, which transformers hands on to
+attention. Dynamo cannot read the context variable that says which cache a
+forward writes, so under that keyword attention is the custom op
+``breakgraph::hf_attention``: opaque to Dynamo, so the compiled model stays
+one graph, and calling the break when it runs, so the capture splits there.
 """
 
 from __future__ import annotations
@@ -25,6 +32,9 @@ from breakgraph.hf.cache import KVCache
 
 ATTENTION = "breakgraph"
 """The name to select: ``model.set_attn_implementation(ATTENTION)``."""
+
+COMPILED_CACHE = "breakgraph_cache"
+"""The keyword a Generator's compiled step passes its cache to attention by."""
 
 _generating: contextvars.ContextVar[KVCache | None] = contextvars.ContextVar("breakgraph_hf_cache", default=None)
 """The cache of the Generator whose forward is under way in this context, if any."""
@@ -79,12 +89,33 @@ def attention_forward(
         scaling (float or None): the factor of the query-key products; None: ``d ** -0.5``.
         **options: what else the model passes (``sliding_window``, ``softcap``, ``s_aux``, ...).
     """
-    cache = _generating.get()
+    cache = options.pop(COMPILED_CACHE, None)  # a Generator's compiled step, being traced or run
+    compiled = cache is not None
+    if not compiled:
+        cache = _generating.get()
     if cache is None:  # not under a Generator: transformers' SDPA attention, as "sdpa" would run it
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **options)
     _refuse_what_the_break_does_not_apply(module, dropout, cache, options)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if compiled:
+        return torch.ops.breakgraph.hf_attention(query, key, value, scale), None
     return attend(query, key, value, cache.positions, cache.lengths, scale), None
+
+
+@torch.library.custom_op("breakgraph::hf_attention", mutates_args=())
+def _attention_op(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The break as a compiled step calls it: the cache it reads each row's length and position
+    from is the Generator's whose forward runs (:func:`generating_into`)."""
+    cache = _generating.get()
+    if cache is None:
+        raise RuntimeError(f"breakgraph's compiled attention ran outside a Generator's forward: pass {COMPILED_CACHE}= only from one")
+    return attend(query, keys, values, cache.positions, cache.lengths, scaling)
+
+
+@_attention_op.register_fake
+def _(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+    batch, heads, length, dim = query.shape
+    return query.new_empty(batch, length, heads, dim)
 
 
 def attention_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:

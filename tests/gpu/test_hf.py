@@ -7,6 +7,8 @@ import torch
 
 pytest.importorskip("transformers", reason="the transformers extra is not installed (pip install -e '.[transformers]')")
 
+from torch._dynamo.utils import counters
+
 from benchmarks.transformers_generate import build_model
 from breakgraph import hf
 from breakgraph.hf import LLAMA_3_2_1B
@@ -14,6 +16,8 @@ from tests.helpers import transformers_eager_generate
 
 PROMPT, NEW = 128, 128
 MODES = ["breakable", "full"]
+# The Generators under test: each mode, and each with its decode step compiled by Inductor.
+VARIANTS = {mode: dict(mode=mode) for mode in MODES} | {f"{mode} + compile": dict(mode=mode, compile=True) for mode in MODES}
 
 
 def fresh_prompts(batch: int, length: int) -> torch.Tensor:
@@ -31,17 +35,19 @@ def fp32_model():
 @pytest.fixture(scope="module")
 def fp32_generators(fp32_model):
     fp32_model.set_attn_implementation(hf.ATTENTION)
+    counters.clear()
     generators = {
-        mode: hf.Generator(fp32_model, max_length=PROMPT + NEW, max_batch_size=4, mode=mode, progress=False).capture()
-        for mode in MODES
+        variant: hf.Generator(fp32_model, max_length=PROMPT + NEW, max_batch_size=4, progress=False, **options).capture()
+        for variant, options in VARIANTS.items()
     }
+    generators["dynamo"] = {"graph breaks": dict(counters["graph_break"]), "graphs": counters["stats"]["unique_graphs"]}
     yield generators
-    for generator in generators.values():
-        generator.runner.release()
+    for variant in VARIANTS:
+        generators[variant].runner.release()
 
 
 @pytest.mark.parametrize("batch", [1, 4])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", VARIANTS)
 def test_float32_tokens_equal_transformers_eager(fp32_model, fp32_generators, mode, batch):
     ids = fresh_prompts(batch, PROMPT)
     expected = transformers_eager_generate(fp32_model, ids, NEW)
@@ -53,7 +59,14 @@ def test_float32_tokens_equal_transformers_eager(fp32_model, fp32_generators, mo
     assert [row["size"] for row in report["rows"]] == [1, 2, 4]
 
 
-@pytest.mark.parametrize("mode", MODES)
+def test_the_compiled_step_is_one_dynamo_graph_per_batch_kind(fp32_generators):
+    """Attention is an op in Dynamo's graph, not a graph break, and no step's lengths are traced:
+    one graph for batch 1 and one with the batch dynamic serve every size and step."""
+    dynamo = fp32_generators["dynamo"]
+    assert dynamo["graph breaks"] == {} and 1 <= dynamo["graphs"] <= 2 * len(MODES), dynamo
+
+
+@pytest.mark.parametrize("mode", VARIANTS)
 def test_left_padded_rows_each_equal_their_own_generation(fp32_model, fp32_generators, mode):
     # 3 rows of 40, 17 and 1 prompt tokens (left-padded, as tokenizers pad), served by the size-4 graph
     lengths, width, new = [40, 17, 1], 40, 24

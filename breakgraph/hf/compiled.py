@@ -1,0 +1,61 @@
+"""The Generator's compiled decode step: ``torch.compile`` of the model's forward, captured by breakgraph.
+
+Inductor fuses the model's kernels between attention calls; breakgraph
+captures what the compiled code launches into its segments, attention (the
+custom op of :mod:`breakgraph.hf.registration`) being the break. Inductor's
+own CUDA graphs are refused: the captured graphs are breakgraph's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Mapping
+
+import torch
+
+from breakgraph.checks import refuse_unknown
+
+COMPILE_KEYWORDS = ("backend", "mode", "options", "dynamic", "fullgraph")
+"""What ``Generator(compile={...})`` hands ``torch.compile``."""
+
+_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # Inductor's modes that add CUDA graphs of its own
+
+
+def compile_keywords(compile: bool | Mapping[str, Any]) -> dict[str, Any] | None:
+    """``torch.compile``'s keywords for ``Generator(compile=...)``, checked; None: not compiled.
+
+    Arguments:
+        compile (bool or mapping): True for Inductor's defaults, or the keywords of
+            :data:`COMPILE_KEYWORDS` (``{"mode": "max-autotune-no-cudagraphs"}``, say).
+    """
+    if isinstance(compile, bool):
+        return {} if compile else None
+    if not isinstance(compile, Mapping):
+        raise TypeError(f"compile must be a bool or a dict of torch.compile's keywords, got {type(compile).__name__}")
+    keywords = dict(compile)
+    refuse_unknown("Generator(compile=...)", keywords, COMPILE_KEYWORDS)
+    if keywords.get("mode") in _CUDA_GRAPH_MODES:
+        raise ValueError(
+            f"torch.compile's mode {keywords['mode']!r} captures CUDA graphs of its own, inside breakgraph's: "
+            "use the default mode or 'max-autotune-no-cudagraphs'"
+        )
+    if (keywords.get("options") or {}).get("triton.cudagraphs"):
+        raise ValueError("Inductor's triton.cudagraphs captures CUDA graphs of its own, inside breakgraph's: leave it off")
+    return keywords
+
+
+def compiled_forward(model: torch.nn.Module, keywords: Mapping[str, Any]) -> Callable[..., Any]:
+    """``model.forward`` compiled with ``keywords``, refusing to compile again inside a CUDA capture.
+
+    A capture runs the compiled code after an eager warm-up at the same batch
+    size, so it finds code compiled for it; a compile there would fail with
+    CUDA's capture error, or later, so it is an error of its own.
+    """
+    forward = torch.compile(model.forward, **keywords)
+
+    def run(**inputs: Any) -> Any:
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        with torch._dynamo.config.patch(error_on_recompile=True) if capturing else contextlib.nullcontext():
+            return forward(**inputs)
+
+    return run

@@ -1,0 +1,100 @@
+"""breakgraph.hf.Generator(compile=...) on the CPU: the compiled decode step against transformers."""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the transformers extra is not installed (pip install -e '.[transformers]')")
+
+from torch._dynamo.utils import counters
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from breakgraph import hf
+from tests.helpers import transformers_eager_generate
+
+SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+TRACED_ONLY = {"backend": "eager"}  # Dynamo's tracing, the seam under test, without Inductor's compile time
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def small(model_class, config_class, **overrides):
+    model = model_class(config_class(**SMALL, **overrides)).eval()
+    model.generation_config.pad_token_id = model.generation_config.eos_token_id = None
+    model.set_attn_implementation(hf.ATTENTION)
+    return model
+
+
+def generator(model, compile=TRACED_ONLY, **kwargs):
+    return hf.Generator(model, max_length=kwargs.pop("max_length", 64), progress=False, compile=compile, **kwargs)
+
+
+@pytest.mark.filterwarnings("ignore:breakgraph. no CUDA GPU")
+@pytest.mark.parametrize("mode", ["breakable", "full"])
+@pytest.mark.parametrize(
+    "model_class, config_class, overrides",
+    [(LlamaForCausalLM, LlamaConfig, {}), (Qwen2ForCausalLM, Qwen2Config, {}), (MistralForCausalLM, MistralConfig, {"sliding_window": 64})],
+    ids=["llama", "qwen2", "mistral"],
+)
+def test_compiled_generation_equals_transformers_in_one_graph(model_class, config_class, overrides, mode):
+    model = small(model_class, config_class, **overrides)
+    gen = generator(model, mode=mode, max_batch_size=4)
+    ids = torch.randint(0, 300, (3, 10))
+    expected = transformers_eager_generate(model, ids, 24)
+    assert torch.equal(gen.generate(ids, 24), expected)
+    assert torch.equal(gen.generate(ids, 24, do_sample=True, top_k=1), expected)  # the sampling step compiles the same forward
+    assert not counters["graph_break"], dict(counters["graph_break"])  # attention is an op, not a break in Dynamo's graph
+    assert counters["stats"]["unique_graphs"] == 1  # no step's lengths are read while tracing: one graph serves them all
+
+
+@pytest.mark.filterwarnings("ignore:breakgraph. no CUDA GPU")
+def test_a_new_batch_size_compiles_once_and_steps_never_do():
+    model = small(LlamaForCausalLM, LlamaConfig)
+    gen = generator(model, max_batch_size=4)
+    for batch in (3, 2, 4, 2, 3):
+        ids = torch.randint(0, 300, (batch, 8))
+        assert torch.equal(gen.generate(ids, 12), transformers_eager_generate(model, ids, 12))
+    # the first size, then one graph with the batch dynamic (torch.compile's default)
+    assert counters["stats"]["unique_graphs"] == 2
+
+
+@pytest.mark.filterwarnings("ignore:breakgraph. no CUDA GPU")
+def test_inductor_compiled_generation_equals_transformers():
+    model = small(LlamaForCausalLM, LlamaConfig)
+    gen = generator(model, compile=True, max_batch_size=2)
+    ids = torch.randint(0, 300, (2, 10))
+    assert torch.equal(gen.generate(ids, 16), transformers_eager_generate(model, ids, 16))
+
+
+@pytest.mark.filterwarnings("ignore:breakgraph. no CUDA GPU")
+def test_what_the_break_does_not_apply_is_refused_when_compiled_too():
+    gen = generator(small(MistralForCausalLM, MistralConfig, sliding_window=16), max_batch_size=1)
+    with pytest.raises(NotImplementedError, match="sliding window of 16 tokens"):
+        gen.generate(torch.randint(0, 300, (1, 8)), 4)
+
+
+def test_the_compiled_attention_op_runs_only_under_a_generator():
+    query = torch.randn(1, 4, 1, 16)
+    cache = torch.randn(1, 2, 8, 16)
+    with pytest.raises(RuntimeError, match="outside a Generator's forward"):
+        torch.ops.breakgraph.hf_attention(query, cache, cache, 0.25)
+
+
+@pytest.mark.parametrize(
+    "compile, error, message",
+    [
+        ({"mode": "reduce-overhead"}, ValueError, r"mode 'reduce-overhead' captures CUDA graphs of its own.*'max-autotune-no-cudagraphs'"),
+        ({"mode": "max-autotune"}, ValueError, r"mode 'max-autotune' captures CUDA graphs of its own"),
+        ({"options": {"triton.cudagraphs": True}}, ValueError, r"triton.cudagraphs captures CUDA graphs of its own"),
+        ({"backnd": "eager"}, TypeError, r"unknown option 'backnd'; did you mean 'backend'\?"),
+        ("inductor", TypeError, r"compile must be a bool or a dict of torch.compile's keywords, got str"),
+    ],
+)
+def test_compile_settings_are_checked(compile, error, message):
+    with pytest.raises(error, match=message):
+        generator(small(LlamaForCausalLM, LlamaConfig), compile=compile)
