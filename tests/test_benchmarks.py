@@ -84,7 +84,7 @@ def test_the_example_times_capture_prefill_and_decode_apart():
 
 def fake_result(cold_s, warm_s, decode_tok_s, capture_s=None) -> dict:
     timings = {"cold_s": cold_s, "warm_s": warm_s, "capture_s": capture_s, "decode_tok_s": decode_tok_s, "ms_per_step": 3.0}
-    return timings | {"memory_gib": 0.1, "tokens": [[1, 2, 3]], "compiled": True}
+    return timings | {"memory_gib": 0.1, "tokens": [[1, 2, 3]], "compiled": True, "dynamo_graphs": 1}
 
 
 def test_transformers_generate_says_which_cold_targets_are_met(tmp_path):
@@ -102,6 +102,7 @@ def test_transformers_generate_says_which_cold_targets_are_met(tmp_path):
     assert row["warm_gen_s"] == "breakable cold/warm 20.00x; full cold/warm 1.33x"
     assert row["warm_decode_tok_s"] == "breakable/compile 1.30x; full/compile 1.20x"
     assert lines == [
+        "batch 8, best breakgraph variant breakgraph breakable: warm decode 1.30x torch.compile's tokens/s (met)",
         "batch 8, breakgraph breakable: cold generation 8.00 s, 3.8x faster than torch.compile's 30.00 s (NOT met); 20.00x its warm 0.400 s (NOT met)",
         "batch 8, breakgraph full: cold generation 0.60 s, 50.0x faster than torch.compile's 30.00 s (met); 1.33x its warm 0.450 s (met)",
     ]
@@ -130,11 +131,13 @@ def test_transformers_generate_says_what_sampling_costs_against_greedy_per_mode(
     assert row["warm_decode_tok_s"] == (
         "breakable/compile 1.33x; full/compile 1.20x; breakable sampling/greedy 0.97x; full sampling/greedy 0.90x"
     )
-    assert len(lines) == 2  # the cold targets' lines stay one per greedy variant
+    assert len(lines) == 3  # the decode target's line, then the cold targets' one per greedy variant
     assert bench.sampling_costs(8, measured) == [
         "batch 8, breakgraph breakable: sampling decodes 388.0 tokens/s, 0.97x greedy's 400.0 (met)",
         "batch 8, breakgraph full: sampling decodes 324.0 tokens/s, 0.90x greedy's 360.0 (NOT met)",
     ]
+    compiled = dict(measured, full_compile=fake_result(5.0, 0.3, 420.0, capture_s=4.0))  # 1.40x compile's, the best
+    assert bench.ratios(8, compiled)[1][0] == "batch 8, best breakgraph variant breakgraph full + compile: warm decode 1.40x torch.compile's tokens/s (met)"
     alone, _ = bench.ratios(8, {"full": measured["full"], "full_sampling": measured["full_sampling"]})
     assert alone["warm_decode_tok_s"] == "full sampling/greedy 0.90x"
     assert bench.sampling_costs(8, {"full_sampling": measured["full_sampling"]}) == []
