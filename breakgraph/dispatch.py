@@ -40,13 +40,12 @@ _HOST_SYNC_OPS = {
     _aten.equal.default,
 }
 
+# CUDA refusing an operation in a capture; an invalidated capture (_INVALIDATED) is not among them.
 _CAPTURE_VIOLATION = re.compile(
     r"operation not permitted when stream is capturing"
-    r"|cudaErrorStreamCapture"
-    r"|previous error during capture"
+    r"|cudaErrorStreamCapture(?!Invalidated)"
     r"|depend on a capturing blocking stream"
     r"|CUDA generator not in capture mode"
-    r"|cudaErrorStreamCaptureInvalidated"
 )
 
 _INVALIDATED = re.compile(r"previous error during capture|cudaErrorStreamCaptureInvalidated")
@@ -203,6 +202,6 @@ class CaptureDispatchMode(TorchDispatchMode):
         try:
             return func(*args, **kwargs)
         except RuntimeError as error:
-            if is_capture_violation(error) and not is_capture_invalidated(error):
+            if is_capture_violation(error):
                 raise uncapturable(str(func), error) from error
             raise

@@ -10,7 +10,7 @@ import torch
 
 from breakgraph import runtime
 from breakgraph.batches import StaticInputs
-from breakgraph.dispatch import UncapturableOpError, is_capture_violation
+from breakgraph.dispatch import UncapturableOpError, is_capture_invalidated, is_capture_violation
 from breakgraph.graphed import GraphedCallable
 from breakgraph.options import RunnerOptions
 
@@ -100,7 +100,7 @@ class CapturePolicy:
         try:
             graphed = self._graphed_at(key, size, 1 if first_of_key else 0, pool, measure)
         except Exception as error:
-            if first_of_key or not (isinstance(error, UncapturableOpError) or is_capture_violation(error)):
+            if first_of_key or not (isinstance(error, UncapturableOpError) or is_capture_violation(error) or is_capture_invalidated(error)):
                 raise
             log.info("capture of size %d failed without warm-up (%s): warming up and capturing again", size, error)
             graphed = self._graphed_at(key, size, 1, pool, measure)

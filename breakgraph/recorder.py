@@ -19,7 +19,7 @@ import torch
 import breakgraph_bindings as bindings
 from breakgraph import context, rng, runtime, streams
 from breakgraph.breaks import record_break, warn_kept_allocations
-from breakgraph.dispatch import CaptureDispatchMode, UncapturableOpError, is_capture_invalidated, is_capture_violation
+from breakgraph.dispatch import CaptureDispatchMode, UncapturableOpError, is_capture_violation
 from breakgraph.naming import function_name
 from breakgraph.options import CaptureOptions
 from breakgraph.pool import PoolUsage, captures_running
@@ -207,7 +207,7 @@ class Recorder:
             return (function if inline is True else inline)(*args, **kwargs)
         except RuntimeError as error:
             named_by_the_watch = isinstance(error, UncapturableOpError)
-            if not named_by_the_watch and (not is_capture_violation(error) or is_capture_invalidated(error)):
+            if not named_by_the_watch and not is_capture_violation(error):
                 raise
             raise UncapturableOpError(f"{name}() cannot be captured inline ({error}); {fix}.") from error
 

@@ -59,6 +59,7 @@ def test_other_errors_and_clear_ones_are_left_alone():
 
 @pytest.mark.parametrize("message", INVALIDATIONS)
 def test_a_capture_invalidated_from_outside_names_the_device_wide_synchronize_and_the_remedy(message):
+    assert not is_capture_violation(raised(message))  # an invalidated capture refused no op of its own
     clearer = clearer_error(raised(message), "graph")
     assert isinstance(clearer, CaptureInvalidatedError) and not isinstance(clearer, UncapturableOpError)
     text = str(clearer)

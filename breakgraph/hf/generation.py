@@ -26,6 +26,11 @@ AMONG_CANDIDATES, OVER_VOCABULARY = "among candidates", "over the vocabulary"
 _GREEDY = "greedy"
 
 
+def _candidates(step: str) -> int | None:
+    """What :func:`sample`'s ``candidates`` is for the sampling variant ``step``."""
+    return CANDIDATES if step == AMONG_CANDIDATES else None
+
+
 def _cache_keyword(model: PreTrainedModel) -> str:
     """The keyword the model's forward takes its cache by: ``cache`` where it has that parameter
     (newer transformers, which deprecate ``past_key_values``), else ``past_key_values``."""
@@ -187,8 +192,7 @@ class Generator:
         key: str,
     ):
         logits = self._forward(input_ids, positions, decode=True)
-        candidates = CANDIDATES if key == AMONG_CANDIDATES else None
-        return logits, sample(logits, temperature, top_k, top_p, generator=self._draws, candidates=candidates)
+        return logits, sample(logits, temperature, top_k, top_p, generator=self._draws, candidates=_candidates(key))
 
     def capture(self, sampling: bool = False) -> Generator:
         """Capture every batch size of a step now, rather than on the first :meth:`generate` that
@@ -293,8 +297,7 @@ class Generator:
         first = self._prefill(input_ids, prompt_lengths)
         if settings.do_sample:
             rows = settings.rows(input_ids.shape[0], self.device)
-            candidates = CANDIDATES if settings.among_candidates else None
-            tokens[:, 0] = sample(first, **rows, generator=self._draws, candidates=candidates)
+            tokens[:, 0] = sample(first, **rows, generator=self._draws, candidates=_candidates(self._sampling_key))
             decode = functools.partial(self.sampling_runner, **rows)
         else:
             tokens[:, 0] = first.argmax(-1)

@@ -30,6 +30,11 @@ def body(x, w):
     return halve(x @ w).relu() @ w
 
 
+def operands() -> tuple[torch.Tensor, torch.Tensor]:
+    """Fresh ``(x, w)`` for :func:`body`."""
+    return torch.randn(64, 256, device=DEV), torch.randn(256, 256, device=DEV) / 16
+
+
 def pool_segments(pool_id) -> list[dict]:
     return [segment for segment in torch.cuda.memory_snapshot() if tuple(segment["segment_pool_id"]) == tuple(pool_id)]
 
@@ -49,8 +54,7 @@ def caches(pool_id) -> bool:
 def recapture_loop(graphs: int = 3000, every: int = 10, torch_graphs: bool = False) -> int:
     """Make ``graphs`` graphs, capture one in ``every``, keep the latest output and drop each
     graph; return how much reserved memory grew (no ``empty_cache()`` anywhere)."""
-    w = torch.randn(256, 256, device=DEV) / 16
-    x = torch.randn(64, 256, device=DEV)
+    x, w = operands()
     expected = body(x, w)  # also the warm-up: cuBLAS loads outside the measurement
     torch.cuda.synchronize()
     start = torch.cuda.memory_reserved()
@@ -104,8 +108,7 @@ def capture(graph, x, w):
 
 
 def test_an_output_held_past_its_graph_stays_valid_and_its_memory_goes_back_once_dropped():
-    w = torch.randn(256, 256, device=DEV) / 16
-    x = torch.randn(64, 256, device=DEV)
+    x, w = operands()
     graph = bg.BreakableCUDAGraph()
     out = capture(graph, x, w)
     expected = body(x, w)
@@ -125,8 +128,7 @@ def test_an_output_held_past_its_graph_stays_valid_and_its_memory_goes_back_once
 
 
 def test_memory_held_past_a_graph_goes_back_at_the_next_capture_start():
-    w = torch.randn(256, 256, device=DEV) / 16
-    x = torch.randn(64, 256, device=DEV)
+    x, w = operands()
     graph = bg.BreakableCUDAGraph()
     out = capture(graph, x, w)
     pool_id, address = graph.pool.id, out.data_ptr()
@@ -139,8 +141,7 @@ def test_memory_held_past_a_graph_goes_back_at_the_next_capture_start():
 
 
 def test_a_shared_pool_goes_back_when_the_last_graph_sharing_it_goes():
-    w = torch.randn(256, 256, device=DEV) / 16
-    x = torch.randn(64, 256, device=DEV)
+    x, w = operands()
     first = bg.BreakableCUDAGraph()
     first_out = capture(first, x, w)
     second = bg.BreakableCUDAGraph(pool=first.pool)
