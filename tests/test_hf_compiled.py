@@ -98,3 +98,17 @@ def test_the_compiled_attention_op_runs_only_under_a_generator():
 def test_compile_settings_are_checked(compile, error, message):
     with pytest.raises(error, match=message):
         generator(small(LlamaForCausalLM, LlamaConfig), compile=compile)
+
+
+@pytest.mark.filterwarnings("ignore:breakgraph. no CUDA GPU")
+def test_compiling_ahead_leaves_nothing_for_the_captures_to_compile():
+    model = small(LlamaForCausalLM, LlamaConfig)
+    gen = generator(model, max_batch_size=8)
+    gen._compile_ahead()  # what the first capture runs before it, on a GPU
+    assert counters["stats"]["unique_graphs"] == 2  # a batch of 1, then the batch dynamic
+    # the runner's warm-ups and captures, largest first, on static inputs made outside inference mode
+    inputs = {size: (torch.zeros(size, 1, dtype=torch.long), torch.full((size,), 3)) for size in (8, 4, 2, 1)}
+    with torch.inference_mode():  # as Generator captures
+        for ids, positions in inputs.values():
+            gen._decode_step(ids, positions)
+    assert counters["stats"]["unique_graphs"] == 2

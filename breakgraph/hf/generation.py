@@ -124,6 +124,7 @@ class Generator:
         options = dict(modes=mode, progress=progress, debug=debug, measure_memory=measure_memory)
         if self._compiled is not None:
             options["warmup"] = 1  # compiled for each size before its capture: no compile inside one
+        self._step_inputs = static
         self.runner = bg.GraphRunner(self._decode_step, static, capture_sizes, **options)
         # The sampling graphs draw from this generator, whatever the call draws from: a graph
         # draws from the generators it was captured with (see _drawing_from).
@@ -228,9 +229,10 @@ class Generator:
         size, where the runner's largest-first warm-ups would need three.
         """
         sizes = sorted({size for sizes in self.runner.sizes_by_key.values() for size in sizes})
-        ids = torch.zeros(sizes[-1], 1, dtype=torch.long, device=self.device)
+        # The runner's own static inputs: torch.compile guards on a tensor's kind too, and one made
+        # under inference mode (as here) is not the kind the runner passes.
         for size in sizes[:2]:
-            self._forward(ids[:size], ids[:size, 0], decode=True)
+            self._forward(self._step_inputs["input_ids"][:size], self._step_inputs["positions"][:size], decode=True)
 
     @torch.inference_mode()
     def generate(
