@@ -16,7 +16,10 @@ is an ``@eager_on_graph`` break that reads each row's length on the host and
 attends over that many cached tokens (the breakable mode); its capturable
 variant, recorded by ``mode="full"``, reads each row's position from a device
 tensor and attends over the whole cache under a mask built on the device.
-Both run torch's scaled dot-product attention on any backend but cuDNN's,
+``Generator(model, ..., compile=True)`` compiles the decode step's forward
+with ``torch.compile`` and captures Inductor's kernels instead, attention an
+op Dynamo does not trace into (:mod:`~breakgraph.hf.compiled`).
+Both attention variants run torch's scaled dot-product attention on any backend but cuDNN's,
 which would build an execution plan for every new key length
 (:mod:`breakgraph.hf.sdpa`). Called without a Generator (``model.generate()``,
 training), the implementation is transformers' own SDPA attention, masks
@@ -35,6 +38,7 @@ Modules: :mod:`~breakgraph.hf.shapes` (model shapes to try),
 :mod:`~breakgraph.hf.cache` (the static cache), :mod:`~breakgraph.hf.sdpa`
 and :mod:`~breakgraph.hf.attention` (the break),
 :mod:`~breakgraph.hf.registration` (what transformers calls),
+:mod:`~breakgraph.hf.compiled` (the compiled decode step),
 :mod:`~breakgraph.hf.sampling` (transformers' sampling filters, read from device tensors, and a
 draw a graph can hold), :mod:`~breakgraph.hf.end_tokens` and :mod:`~breakgraph.hf.generation`
 (the Generator).
