@@ -75,8 +75,8 @@ class Generator:
         compile (bool or dict, default False): compile the decode step's forward with
             ``torch.compile`` (Inductor, without CUDA graphs of its own) and capture the compiled
             code, attention the break; a dict gives torch.compile's ``backend``, ``mode``,
-            ``options``, ``dynamic`` or ``fullgraph``. Prefill runs uncompiled. The runner warms
-            each batch size up before its capture, which compiles.
+            ``options``, ``dynamic`` or ``fullgraph``. Prefill runs uncompiled. The first capture
+            compiles first, at the two smallest capture sizes (two compiles serve every size).
 
     ``runner`` is the greedy step's :class:`~breakgraph.GraphRunner` (``report()``, ``memory()``,
     ``release()``), ``sampling_runner`` the sampling step's, with a memory pool of its own.
@@ -123,7 +123,7 @@ class Generator:
         }
         options = dict(modes=mode, progress=progress, debug=debug, measure_memory=measure_memory)
         if self._compiled is not None:
-            options["warmup"] = 1  # compiled for each size before its capture: no compile inside one
+            options["warmup"] = 1  # each size runs before its capture: a size that compiles again does so outside it
         self._step_inputs = static
         self.runner = bg.GraphRunner(self._decode_step, static, capture_sizes, **options)
         # The sampling graphs draw from this generator, whatever the call draws from: a graph
