@@ -215,7 +215,7 @@ def test_ci_runs_the_readme_commands_in_a_fresh_environment_then_the_oldest_tran
     oldest = re.search(r'"transformers>=([0-9.]+),', (ROOT / "pyproject.toml").read_text()).group(1)
     assert rest[len(readme) :] == [  # then the extra's oldest transformers, on breakgraph.hf's tests
         ["python3", "-m", "pip", "install", f"transformers=={oldest}"],
-        ["python3", "-m", "pytest", "-q", "tests/test_hf.py", "tests/test_hf_sdpa.py", "tests/test_hf_sampling.py"],
+        ["python3", "-m", "pytest", "-q", "tests/test_hf.py", "tests/test_hf_sdpa.py", "tests/test_hf_sampling.py", "tests/test_hf_compiled.py"],
     ]
 
 
