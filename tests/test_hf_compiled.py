@@ -9,6 +9,7 @@ from torch._dynamo.utils import counters
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from breakgraph import hf
+from breakgraph.hf.compiled import compiled_forward
 from tests.helpers import transformers_eager_generate
 
 SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -112,3 +113,15 @@ def test_compiling_ahead_leaves_nothing_for_the_captures_to_compile():
         for ids, positions in inputs.values():
             gen._decode_step(ids, positions)
     assert counters["stats"]["unique_graphs"] == 2
+
+
+def test_a_compile_inside_a_capture_is_an_error_that_names_the_guard(monkeypatch):
+    model = small(LlamaForCausalLM, LlamaConfig)
+    forward = compiled_forward(model, TRACED_ONLY)
+    ids = torch.randint(0, 300, (2, 4))
+    forward(input_ids=ids)  # compiled outside a capture
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)  # as inside breakgraph's capture
+    forward(input_ids=ids)  # the compiled code serves: nothing to compile
+    with pytest.raises(torch._dynamo.exc.RecompileError, match="size mismatch|input_ids"):
+        forward(input_ids=ids[:1])  # a batch of 1 would compile again
