@@ -75,8 +75,21 @@ def test_inductor_compiled_generation_equals_transformers():
 @pytest.mark.filterwarnings("ignore:breakgraph. no CUDA GPU")
 def test_what_the_break_does_not_apply_is_refused_when_compiled_too():
     gen = generator(small(MistralForCausalLM, MistralConfig, sliding_window=16), max_batch_size=1)
-    with pytest.raises(NotImplementedError, match="sliding window of 16 tokens"):
-        gen.generate(torch.randint(0, 300, (1, 8)), 4)
+    with pytest.raises(NotImplementedError, match="sliding window of 16 tokens"), torch.inference_mode():
+        gen._decode_step(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long))  # the compiled step, no prefill first
+
+
+@pytest.mark.filterwarnings("ignore:breakgraph. no CUDA GPU")
+def test_left_padded_rows_each_equal_their_own_generation_when_compiled():
+    model = small(LlamaForCausalLM, LlamaConfig)
+    gen = generator(model, max_batch_size=4)
+    lengths, width, new = [9, 4, 1], 9, 12
+    ids = torch.randint(0, 300, (3, width))
+    mask = torch.tensor([[0] * (width - length) + [1] * length for length in lengths])
+    got = gen.generate(ids, new, attention_mask=mask)
+    for row, length in enumerate(lengths):
+        alone = transformers_eager_generate(model, ids[row : row + 1, width - length :], new)
+        assert torch.equal(got[row, width:], alone[0, length:]), f"row {row} ({length}-token prompt)"
 
 
 def test_the_compiled_attention_op_runs_only_under_a_generator():
@@ -93,6 +106,8 @@ def test_the_compiled_attention_op_runs_only_under_a_generator():
         ({"mode": "max-autotune"}, ValueError, r"mode 'max-autotune' captures CUDA graphs of its own"),
         ({"options": {"triton.cudagraphs": True}}, ValueError, r"triton.cudagraphs captures CUDA graphs of its own"),
         ({"backnd": "eager"}, TypeError, r"unknown option 'backnd'; did you mean 'backend'\?"),
+        ({"backend": "cudagraphs"}, ValueError, r"backend 'cudagraphs' captures CUDA graphs of its own"),
+        ({"options": ["max_autotune"]}, TypeError, r"options must be a dict of Inductor's options, got list"),
         ("inductor", TypeError, r"compile must be a bool or a dict of torch.compile's keywords, got str"),
     ],
 )

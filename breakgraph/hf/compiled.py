@@ -39,7 +39,12 @@ def compile_keywords(compile: bool | Mapping[str, Any]) -> dict[str, Any] | None
             f"torch.compile's mode {keywords['mode']!r} captures CUDA graphs of its own, inside breakgraph's: "
             "use the default mode or 'max-autotune-no-cudagraphs'"
         )
-    if (keywords.get("options") or {}).get("triton.cudagraphs"):
+    if keywords.get("backend") == "cudagraphs":
+        raise ValueError("torch.compile's backend 'cudagraphs' captures CUDA graphs of its own, inside breakgraph's: use 'inductor'")
+    options = keywords.get("options") or {}
+    if not isinstance(options, Mapping):
+        raise TypeError(f"compile's options must be a dict of Inductor's options, got {type(options).__name__}")
+    if options.get("triton.cudagraphs"):
         raise ValueError("Inductor's triton.cudagraphs captures CUDA graphs of its own, inside breakgraph's: leave it off")
     return keywords
 

@@ -84,7 +84,7 @@ def attention_forward(
         query (torch.Tensor): ``(b, heads, q, d)``.
         key (torch.Tensor): ``(b, kv_heads, keys, d)``: under a Generator, the rows' whole cache.
         value (torch.Tensor): as ``key``.
-        attention_mask (torch.Tensor or None): transformers' mask; None under a Generator.
+        attention_mask (torch.Tensor or None): transformers' mask; not read under a Generator.
         dropout (float): attention dropout; refused under a Generator unless 0.
         scaling (float or None): the factor of the query-key products; None: ``d ** -0.5``.
         **options: what else the model passes (``sliding_window``, ``softcap``, ``s_aux``, ...).
