@@ -167,7 +167,7 @@ def measure_one(variant: str, batch: int, prompt: int, new: int, shape: dict, dt
         "memory_gib": (torch.cuda.max_memory_reserved() - weights) / 2**30,
         "tokens": tokens[:, prompt:].tolist(),
         "compiled": hasattr(model, "_compiled_call"),
-        "dynamo_graphs": counters["stats"]["unique_graphs"],  # what torch.compile compiled, in the cold generation
+        "dynamo_graphs": counters["stats"]["unique_graphs"],  # what torch.compile compiled in the process
     }
 
 
@@ -211,8 +211,9 @@ def row_of(variant: str, batch: int, new: int, result: dict, reference: list | N
 
 
 def ratios(batch: int, measured: dict) -> tuple[dict, list[str]]:
-    """The batch's ratios row (sampling's cost among them), and a line per greedy breakgraph variant
-    on the two cold targets."""
+    """The batch's ratios row (sampling's cost among them), and its target lines: the best breakgraph
+    variant's decode against torch.compile's, then one per greedy breakgraph variant on the two
+    cold targets."""
     ours = [variant for variant in OURS if variant in measured]
     compiled = measured.get("compile")
     row = {"variant": "ratios", "batch": batch}
