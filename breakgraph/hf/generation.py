@@ -124,7 +124,6 @@ class Generator:
         options = dict(modes=mode, progress=progress, debug=debug, measure_memory=measure_memory)
         if self._compiled is not None:
             options["warmup"] = 1  # each size runs before its capture: a size that compiles again does so outside it
-        self._step_inputs = static
         self.runner = bg.GraphRunner(self._decode_step, static, capture_sizes, **options)
         # The sampling graphs draw from this generator, whatever the call draws from: a graph
         # draws from the generators it was captured with (see _drawing_from).
@@ -232,7 +231,7 @@ class Generator:
         # The runner's own static inputs: torch.compile guards on a tensor's kind too, and one made
         # under inference mode (as here) is not the kind the runner passes.
         for size in sizes[:2]:
-            self._forward(self._step_inputs["input_ids"][:size], self._step_inputs["positions"][:size], decode=True)
+            self._forward(**self.runner.inputs.views(size), decode=True)
 
     @torch.inference_mode()
     def generate(
