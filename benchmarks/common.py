@@ -46,6 +46,28 @@ def time_variants(variants: dict, iters: int, repeats: int = 7) -> dict:
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+def time_single_calls(variants: dict, calls: int, warmup: int = 5) -> dict:
+    """Median µs of one call of each variant, every call timed on its own. Calls take turns
+    (a, b, c, then b, c, a, …: the order turns every round, so no variant always follows the
+    same one), so the host's drift falls on every variant alike, and a median of single
+    calls sets aside the calls a pause on the host lengthened, which a median of blocks of
+    calls cannot. For calls that end synchronized (a training step's host reads)."""
+    names = list(variants)
+    for name in names:
+        for _ in range(warmup):
+            variants[name]()
+    samples = {name: [] for name in names}
+    clock = time.perf_counter_ns
+    for round_ in range(calls):
+        turn = round_ % len(names)
+        for name in names[turn:] + names[:turn]:
+            fn = variants[name]
+            start = clock()
+            fn()
+            samples[name].append((clock() - start) / 1e3)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
 def write_outputs(name: str, rows: list[dict], columns: list[str], out_dir: str | Path, meta: dict, draw) -> Path:
     """Print the table, write ``<name>.json`` and ``<name>.png``; return the output folder.
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import breakgraph as bg
-from benchmarks.common import device_meta, plot_grouped_bars, require_gpu, time_variants, write_outputs
+from benchmarks.common import device_meta, plot_grouped_bars, require_gpu, time_single_calls, write_outputs
 from benchmarks.peers import META, load_meta, meta_ratios
 from breakgraph.runtime import run_on_stream
 
@@ -75,9 +75,10 @@ CLIP_NORM = 0.01
 """The gradient norm the clip keeps: far below the gradients' own, so every step is clipped and a
 variant that skipped the clip would fail the check against eager."""
 
-REPEATS = 11
-"""Interleaved timings of each variant, whose median is reported: the variants differ by less
-than the host's noise between two timings."""
+STEPS = 1000
+"""Steps of each variant timed one by one, taking turns, whose median is reported: the variants
+differ by less than the host's noise between two blocks of steps, and a median of single steps
+sets aside the steps a pause on the host lengthened."""
 
 TOLERANCE = 1e-4
 """How far a variant's losses, weights and gradients may lie from eager's (they are equal in practice)."""
@@ -192,7 +193,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="results")
     args = parser.parse_args(argv)
     require_gpu("training_step")
-    iters = 10 if args.quick else 100
+    steps = 20 if args.quick else STEPS
     shapes = [(512, 4, 32)] if args.quick else [(512, 8, 32), (1024, 8, 256), (2048, 8, 1024)]
     stream = torch.cuda.Stream()
     meta_library = load_meta()
@@ -201,7 +202,7 @@ def main(argv=None) -> int:
         captured = Captured(Trainer(hidden, layers, batch, dropout=0.1), stream, meta_library)
         differences = captured.check()
         assert captured.graph.draws_random_numbers and captured.graph.num_eager_breaks == 2
-        us = time_variants({name: _synchronized(run) for name, run in captured.runs().items()}, iters, REPEATS)
+        us = time_single_calls({name: _synchronized(run) for name, run in captured.runs().items()}, steps)
         label = f"{hidden}x{layers}, batch {batch}"
         for name, value in us.items():
             rows.append(

@@ -184,3 +184,22 @@ def test_decode_step_plots_the_cold_step_on_each_bar(monkeypatch, tmp_path):
     pairs = {(height, cold) for (x, height), (x_mark, cold) in zip(drawn["bars"], drawn["marks"]) if x == x_mark}
     assert pairs == {(row["step_ms"], row["cold_step_ms"]) for row in rows}  # each mark on its own bar
     assert (tmp_path / "decode_step.png").stat().st_size > 0
+
+
+def test_single_calls_take_turns_in_a_turning_order_and_report_each_variants_median(monkeypatch):
+    from benchmarks import common
+
+    now, calls = [0], []
+
+    def variant(name, ns):
+        def call():
+            calls.append(name)
+            now[0] += ns
+
+        return call
+
+    monkeypatch.setattr(common.time, "perf_counter_ns", lambda: now[0])
+    durations = {"a": 1000, "b": 2000, "c": 3000}
+    medians = common.time_single_calls({name: variant(name, ns) for name, ns in durations.items()}, calls=4, warmup=1)
+    assert medians == {"a": 1.0, "b": 2.0, "c": 3.0}  # µs
+    assert calls == ["a", "b", "c"] + ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
