@@ -140,3 +140,49 @@ def test_a_compile_inside_a_capture_is_an_error_that_names_the_guard(monkeypatch
     forward(input_ids=ids)  # the compiled code serves: nothing to compile
     with pytest.raises(torch._dynamo.exc.RecompileError, match="size mismatch|input_ids"):
         forward(input_ids=ids[:1])  # a batch of 1 would compile again
+
+
+@pytest.mark.filterwarnings("ignore:breakgraph. no CUDA GPU")
+def test_a_background_compile_serves_uncompiled_until_it_ends_then_compiled_with_no_compile_of_its_own():
+    model = small(LlamaForCausalLM, LlamaConfig)
+    gen = generator(model, max_batch_size=4, compile_in_background=True)
+    ids = torch.randint(0, 300, (3, 10))
+    expected = transformers_eager_generate(model, ids, 16)
+    assert not gen.compiling
+    assert torch.equal(gen.generate(ids, 16), expected)
+    assert gen.compiling and not gen.compiled  # started as the call returned, taken by a later call, never in the middle of one
+    assert torch.equal(gen.generate(ids, 16), expected)
+    gen.wait_for_compile()
+    assert gen.compiled and not gen.compiling
+    assert counters["stats"]["unique_graphs"] == 2  # on its twin cache and inputs: a batch of 1, then the batch dynamic
+    with torch.inference_mode():  # the runner's warm-ups and captures on a GPU, on its static inputs
+        for size in (4, 2, 1):
+            gen._decode_step(**gen.runner.inputs.views(size))
+    assert counters["stats"]["unique_graphs"] == 2  # the twin's compiles serve the Generator's own cache and inputs
+    assert torch.equal(gen.generate(ids, 16), expected)  # without a GPU on generate()'s inputs, which compile apart
+    assert torch.equal(gen.generate(ids, 16, do_sample=True, top_k=1), expected)
+
+
+@pytest.mark.filterwarnings("ignore:breakgraph. no CUDA GPU")
+def test_a_failed_background_compile_is_raised_once_and_generation_goes_on_uncompiled():
+    def failing_backend(graph, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    model = small(LlamaForCausalLM, LlamaConfig)
+    gen = generator(model, compile={"backend": failing_backend}, max_batch_size=2, compile_in_background=True)
+    ids = torch.randint(0, 300, (2, 6))
+    expected = transformers_eager_generate(model, ids, 8)
+    assert torch.equal(gen.generate(ids, 8), expected)
+    with pytest.raises(RuntimeError, match="compiling the decode step in the background failed; the Generator goes on uncompiled") as raised:
+        gen.wait_for_compile()
+    assert "no compiler here" in repr(raised.value.__cause__)
+    assert not gen.compiled
+    assert torch.equal(gen.generate(ids, 8), expected)
+    gen.wait_for_compile()  # nothing runs: returns at once
+
+
+def test_compile_in_background_needs_a_compile():
+    with pytest.raises(ValueError, match="compile_in_background=True compiles the decode step: give compile=True"):
+        generator(small(LlamaForCausalLM, LlamaConfig), compile=False, compile_in_background=True)
+    with pytest.raises(TypeError, match="compile_in_background"):
+        generator(small(LlamaForCausalLM, LlamaConfig), compile_in_background="yes")

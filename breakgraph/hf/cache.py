@@ -104,6 +104,7 @@ class KVCache(Cache):
     """
 
     def __init__(self, config: PretrainedConfig, max_batch_size: int, max_length: int, dtype: torch.dtype, device: torch.device):
+        self._made_with = (config, max_batch_size, max_length, dtype, device)
         layers, kv_heads, head_dim = decoder_shape(config)
         shape = (max_batch_size, kv_heads, max_length, head_dim)
         super().__init__(layers=[_StaticRowsLayer(self, shape, dtype, device) for _ in range(layers)])
@@ -113,6 +114,11 @@ class KVCache(Cache):
         self._row_index = torch.arange(max_batch_size, device=device)
         self._offsets = torch.arange(max_length, device=device)
         self.begin(torch.zeros(max_batch_size, dtype=torch.long, device=device), first_row=0, query_length=1)
+
+    def twin(self) -> KVCache:
+        """A cache of the same shapes, dtype and device, with memory of its own: a compile in the
+        background writes there, and torch.compile's guards on this one's shapes hold for both."""
+        return KVCache(*self._made_with)
 
     def begin(self, positions: torch.Tensor, first_row: int, query_length: int) -> None:
         """Say what the next forward writes.

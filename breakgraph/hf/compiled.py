@@ -9,6 +9,7 @@ own CUDA graphs are refused: the captured graphs are breakgraph's.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Callable, Mapping
 
 import torch
@@ -64,3 +65,33 @@ def compiled_forward(model: torch.nn.Module, keywords: Mapping[str, Any]) -> Cal
             return forward(**inputs)
 
     return run
+
+
+class BackgroundCompile:
+    """``work`` (a compile) run once in a thread of its own, while the caller goes on serving.
+
+    :attr:`finished` says whether it ended; :meth:`result` waits for it and
+    raises what it raised. The thread is a daemon: a process that ends
+    mid-compile does not wait for it.
+    """
+
+    def __init__(self, work: Callable[[], None]):
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(work,), name="breakgraph-compile", daemon=True)
+        self._thread.start()
+
+    def _run(self, work: Callable[[], None]) -> None:
+        try:
+            work()
+        except BaseException as error:  # raised again in the caller's thread by result()
+            self._error = error
+
+    @property
+    def finished(self) -> bool:
+        return not self._thread.is_alive()
+
+    def result(self) -> None:
+        """Wait for the compile to end; raise what it raised."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error

@@ -13,7 +13,7 @@ from transformers import PreTrainedModel
 import breakgraph as bg
 from breakgraph.checks import refuse_unknown, require_bool, require_choice, require_count
 from breakgraph.hf.cache import KVCache
-from breakgraph.hf.compiled import compile_keywords, compiled_forward
+from breakgraph.hf.compiled import BackgroundCompile, compile_keywords, compiled_forward
 from breakgraph.hf.end_tokens import EndTokens
 from breakgraph.hf.registration import ATTENTION, COMPILED_CACHE, generating_into
 from breakgraph.hf.sampling import CANDIDATES, Sampling, sample
@@ -77,6 +77,14 @@ class Generator:
             code, attention the break; a dict gives torch.compile's ``backend``, ``mode``,
             ``options``, ``dynamic`` or ``fullgraph``. Prefill runs uncompiled. The first capture
             compiles first, at the two smallest capture sizes (two compiles serve every size).
+        compile_in_background (bool, default False): with ``compile``, capture the uncompiled
+            step at once and compile in a thread of its own once the call that captured returns
+            (on a cache and inputs of its own: a second cache's memory while it runs), the
+            uncompiled graphs serving meanwhile; the first :meth:`generate` after the compile
+            ended (or :meth:`wait_for_compile`) captures the compiled step. The compile holds
+            Python's GIL for most of its time, so generation runs slower while it does. A
+            capture of a step not captured yet waits for it: CUDA refuses another thread's
+            allocations during a capture.
 
     ``runner`` is the greedy step's :class:`~breakgraph.GraphRunner` (``report()``, ``memory()``,
     ``release()``), ``sampling_runner`` the sampling step's, with a memory pool of its own.
@@ -94,6 +102,7 @@ class Generator:
         debug: bool | None = None,
         measure_memory: bool = False,
         compile: bool | dict = False,
+        compile_in_background: bool = False,
     ):
         require_count("max_length", max_length, least=2)
         require_count("max_batch_size", max_batch_size)
@@ -106,6 +115,9 @@ class Generator:
         self.model = model
         self._require_inference_with_breakgraph_attention()
         compiling = compile_keywords(compile)
+        require_bool("compile_in_background", compile_in_background)
+        if compile_in_background and compiling is None:
+            raise ValueError("compile_in_background=True compiles the decode step: give compile=True (or torch.compile's keywords) too")
         if capture_sizes is not None and max(capture_sizes) > max_batch_size:
             raise ValueError(f"capture_sizes {list(capture_sizes)} go above max_batch_size {max_batch_size}: raise max_batch_size")
         parameter = next(model.parameters())
@@ -113,6 +125,9 @@ class Generator:
         self.cache = KVCache(model.config, max_batch_size, max_length, parameter.dtype, parameter.device)
         self._cache_keyword = _cache_keyword(model)
         self._compiled = None if compiling is None else compiled_forward(model, compiling)
+        self._compiled_serves = compiling is not None and not compile_in_background  # the decode step runs self._compiled
+        self._compile_due = False  # compile_in_background: the uncompiled step is captured, the compile not started
+        self._compiling: BackgroundCompile | None = None
         # A 4D mask transformers passes on as given rather than building one: breakgraph's attention
         # reads the rows' lengths instead, and the compiled forward then reads no host value.
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
@@ -159,18 +174,32 @@ class Generator:
     def max_length(self) -> int:
         return self.cache.token_capacity
 
+    @property
+    def compiled(self) -> bool:
+        """Whether the decode step runs compiled now (``compile_in_background``: once the compile ended)."""
+        return self._compiled_serves
+
+    @property
+    def compiling(self) -> bool:
+        """Whether a background compile is due or under way, the uncompiled step serving meanwhile."""
+        return self._compile_due or self._compiling is not None
+
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, first_row: int = 0, decode: bool = False) -> torch.Tensor:
         """Logits of ``input_ids`` (``(b, q)``), whose row ``r`` starts at slot ``positions[r]`` of
-        cache row ``first_row + r``; a ``decode`` step runs the compiled forward where there is one."""
+        cache row ``first_row + r``; a ``decode`` step runs the compiled forward where it serves."""
+        compiled = self._compiled if decode and self._compiled_serves else None
+        return self._logits(self.cache, compiled, input_ids, positions, first_row)
+
+    def _logits(self, cache: KVCache, compiled, input_ids: torch.Tensor, positions: torch.Tensor, first_row: int = 0) -> torch.Tensor:
+        """:meth:`_forward` through ``cache``, by the ``compiled`` forward or, if None, the model's."""
         batch, length = input_ids.shape
-        cache = self.cache
         cache.begin(positions, first_row, length)
         position_ids = cache.position_ids(batch, length)
         inputs = dict(input_ids=input_ids, position_ids=position_ids, use_cache=True, logits_to_keep=1)
         inputs[self._cache_keyword] = cache
         forward = self.model
-        if decode and self._compiled is not None:
-            forward = self._compiled
+        if compiled is not None:
+            forward = compiled
             inputs |= {COMPILED_CACHE: cache, "attention_mask": self._no_mask}
             if self._takes_cache_position:
                 inputs["cache_position"] = position_ids[0]  # what transformers does with them, breakgraph's cache ignores
@@ -204,34 +233,102 @@ class Generator:
         """
         require_bool("sampling", sampling)
         self._capture_steps([AMONG_CANDIDATES, OVER_VOCABULARY] if sampling else [_GREEDY])
+        self._start_due_compile()
         return self
 
     def _capture_steps(self, steps: Sequence[str]) -> None:
-        """Capture every batch size of the steps named (greedy, or a sampling variant) not captured yet."""
-        if self._compiled is not None and not self._captured and self.runner.eager_reason is None:
-            self._compile_ahead()
-        for step in steps:
-            if step not in self._captured:
-                with torch.inference_mode():
-                    if step == _GREEDY:
-                        self.runner.capture()
-                    else:
-                        self.sampling_runner.capture(keys=[step])
-                self._captured.add(step)
+        """Capture every batch size of the steps named (greedy, or a sampling variant) not captured
+        yet; first take the compiled step if a background compile ended."""
+        self._take_background_compile(wait=False)
+        missing = [step for step in steps if step not in self._captured]
+        if not missing:
+            return
+        self._take_background_compile(wait=True)  # CUDA refuses another thread's allocations while one captures
+        if self._compiled is not None and not self._captured:
+            if not self._compiled_serves:  # compile_in_background: started as the calling capture() or generate() returns
+                self._capture(missing)
+                self._compile_due = True
+                return
+            if self.runner.eager_reason is None:
+                self._compile_ahead()
+        self._capture(missing)
 
-    @torch.inference_mode()
-    def _compile_ahead(self) -> None:
-        """Compile the decode forward at the smallest capture size, then the next one up.
+    def _capture(self, steps: Sequence[str]) -> None:
+        for step in steps:
+            with torch.inference_mode():
+                if step == _GREEDY:
+                    self.runner.capture()
+                else:
+                    self.sampling_runner.capture(keys=[step])
+            self._captured.add(step)
+
+    def _compile_sizes(self) -> list[int]:
+        """The batch sizes to compile ahead at: the two smallest capture sizes.
 
         torch.compile specialises a batch of 1 and makes the batch dynamic on
         the second size it meets: smallest first, two compiles serve every
         size, where the runner's largest-first warm-ups would need three.
         """
-        sizes = sorted({size for sizes in self.runner.sizes_by_key.values() for size in sizes})
+        return sorted({size for sizes in self.runner.sizes_by_key.values() for size in sizes})[:2]
+
+    @torch.inference_mode()
+    def _compile_ahead(self) -> None:
+        """Compile the decode forward at :meth:`_compile_sizes`, before the first capture."""
         # The runner's own static inputs: torch.compile guards on a tensor's kind too, and one made
         # under inference mode (as here) is not the kind the runner passes.
-        for size in sizes[:2]:
-            self._forward(**self.runner.inputs.views(size), decode=True)
+        for size in self._compile_sizes():
+            self._logits(self.cache, self._compiled, **self.runner.inputs.views(size))
+
+    def _compile_on_a_twin(self) -> None:
+        """:meth:`_compile_ahead` in the background thread, on a stream, a cache and inputs of its
+        own: the step being served writes the Generator's."""
+        cuda = self.device.type == "cuda"
+        with torch.cuda.stream(torch.cuda.Stream(self.device)) if cuda else contextlib.nullcontext():
+            twin = self.cache.twin()
+            # Of the kind of the runner's static inputs, which torch.compile guards on: made outside
+            # inference mode, with their shapes and strides.
+            views = [self.runner.inputs.views(size) for size in self._compile_sizes()]
+            sizes = [{name: torch.zeros_like(view) for name, view in inputs.items()} for inputs in views]
+            with torch.inference_mode():
+                for inputs in sizes:
+                    self._logits(twin, self._compiled, **inputs)
+            if cuda:
+                torch.cuda.current_stream(self.device).synchronize()
+
+    def wait_for_compile(self) -> Generator:
+        """Wait for the background compile (``compile_in_background=True``) to end and capture the
+        compiled step now, rather than on the next :meth:`generate`; raises what the compile
+        raised. Returns at once where no compile is due or under way."""
+        self._start_due_compile()
+        self._take_background_compile(wait=True)
+        return self
+
+    def _start_due_compile(self) -> None:
+        if self._compile_due:
+            self._compile_due = False
+            self._compiling = BackgroundCompile(self._compile_on_a_twin)
+
+    def _take_background_compile(self, wait: bool) -> None:
+        """If the background compile ended (with ``wait``, once it ends), serve the compiled step
+        from now on: capture the steps captured so far again, compiled."""
+        compiling = self._compiling
+        if compiling is None or not (wait or compiling.finished):
+            return
+        self._compiling = None
+        try:
+            compiling.result()
+        except Exception as error:
+            self._compiled = None
+            raise RuntimeError("compiling the decode step in the background failed; the Generator goes on uncompiled") from error
+        self._compiled_serves = True
+        if self.runner.eager_reason is not None:
+            return
+        for runner, variants in ((self.runner, {_GREEDY}), (self.sampling_runner, {AMONG_CANDIDATES, OVER_VOCABULARY})):
+            if self._captured & variants:
+                runner.release()
+                with torch.inference_mode():
+                    runner.restore()  # every variant: capture() captures all of a runner's keys
+                self._captured |= variants
 
     @torch.inference_mode()
     def generate(
@@ -286,6 +383,7 @@ class Generator:
             tokens, logits = self._new_tokens(input_ids, prompt_lengths, max_new_tokens, end, return_logits, settings)
         tokens = end.pad_after_stop(tokens)
         out = torch.cat([input_ids, tokens], dim=1)
+        self._start_due_compile()  # once this call's tokens are made: the compile would slow them
         return (out, torch.stack(logits[: tokens.shape[1]], dim=1)) if return_logits else out
 
     def _new_tokens(

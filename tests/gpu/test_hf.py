@@ -18,6 +18,7 @@ PROMPT, NEW = 128, 128
 MODES = ["breakable", "full"]
 # The Generators under test: each mode, and each with its decode step compiled by Inductor.
 VARIANTS = {mode: dict(mode=mode) for mode in MODES} | {f"{mode} + compile": dict(mode=mode, compile=True) for mode in MODES}
+VARIANTS["breakable + compile in background"] = dict(mode="breakable", compile=True, compile_in_background=True)
 
 
 def fresh_prompts(batch: int, length: int) -> torch.Tensor:
@@ -37,7 +38,7 @@ def fp32_generators(fp32_model):
     fp32_model.set_attn_implementation(hf.ATTENTION)
     counters.clear()
     generators = {
-        variant: hf.Generator(fp32_model, max_length=PROMPT + NEW, max_batch_size=4, progress=False, **options).capture()
+        variant: hf.Generator(fp32_model, max_length=PROMPT + NEW, max_batch_size=4, progress=False, **options).capture().wait_for_compile()
         for variant, options in VARIANTS.items()
     }
     generators["dynamo"] = {"graph breaks": dict(counters["graph_break"]), "graphs": counters["stats"]["unique_graphs"]}
@@ -61,9 +62,30 @@ def test_float32_tokens_equal_transformers_eager(fp32_model, fp32_generators, mo
 
 def test_the_compiled_step_is_one_dynamo_graph_per_batch_kind(fp32_generators):
     """Attention is an op in Dynamo's graph, not a graph break, and no step's lengths are traced:
-    one graph for batch 1 and one with the batch dynamic serve every size and step."""
+    one graph for batch 1 and one with the batch dynamic serve every size, step and mode, and
+    the background compile's, on a twin cache and inputs, serve its Generator's own."""
     dynamo = fp32_generators["dynamo"]
-    assert dynamo["graph breaks"] == {} and 1 <= dynamo["graphs"] <= 2 * len(MODES), dynamo
+    assert dynamo["graph breaks"] == {} and dynamo["graphs"] == 2, dynamo
+    assert all(fp32_generators[variant].compiled == ("compile" in variant) for variant in VARIANTS)
+
+
+def test_a_background_compile_serves_uncompiled_graphs_while_it_compiles_then_compiled_ones():
+    shape = dict(LLAMA_3_2_1B, vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=32)
+    model = build_model(shape, torch.float32, seed=random.randrange(2**31))  # a model of its own: nothing compiled for it yet
+    model.set_attn_implementation(hf.ATTENTION)
+    ids = torch.randint(0, shape["vocab_size"], (3, 32), device="cuda")
+    expected = transformers_eager_generate(model, ids, 64)
+    graphs = counters["stats"]["unique_graphs"]
+    gen = hf.Generator(model, max_length=96, max_batch_size=4, progress=False, compile=True, compile_in_background=True)
+    assert torch.equal(gen.generate(ids, 64), expected)  # captured uncompiled; the compile starts as it returns
+    assert gen.compiling and not gen.compiled
+    assert torch.equal(gen.generate(ids, 64), expected)  # served by the uncompiled graphs, Inductor compiling beside it
+    gen.wait_for_compile()
+    assert gen.compiled and len(gen.runner.graphs) == 3  # sizes 1, 2 and 4, captured again
+    assert torch.equal(gen.generate(ids, 64), expected)
+    assert torch.equal(gen.generate(ids[:1], 64), expected[:1])
+    assert counters["stats"]["unique_graphs"] - graphs == 2
+    gen.runner.release()
 
 
 @pytest.mark.parametrize("mode", VARIANTS)
