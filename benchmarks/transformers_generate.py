@@ -19,7 +19,13 @@ Inductor and Triton caches):
 - breakgraph breakable + compile and breakgraph full + compile: the same
   two with ``compile=True``, the decode step's forward compiled by
   ``torch.compile`` (Inductor, no CUDA graphs of its own) and the compiled
-  kernels captured, attention the break.
+  kernels captured, attention the break;
+- breakgraph breakable + compile in background: ``compile=True,
+  compile_in_background=True``: the uncompiled graphs serve the first
+  generation, Inductor compiles in a thread from its end, and generations
+  go on meanwhile (their tokens/s together: ``compiling_tok_s``) until one
+  takes the compiled step, at ``compiled_s`` from the start; its warm
+  generations are the compiled step's.
 
 The others decode greedily.
 
@@ -77,8 +83,9 @@ VARIANTS = {
     "full_sampling": "breakgraph full, sampling",
     "breakable_compile": "breakgraph breakable + compile",
     "full_compile": "breakgraph full + compile",
+    "breakable_compile_background": "breakgraph breakable + compile in background",
 }
-OURS = ("breakable", "full", "breakable_compile", "full_compile")  # the greedy breakgraph variants
+OURS = ("breakable", "full", "breakable_compile", "full_compile", "breakable_compile_background")  # the greedy breakgraph variants
 SAMPLING = {"do_sample": True, "temperature": 0.7, "top_k": 50, "top_p": 0.9}
 COLD_TARGET = 5.0  # torch.compile's cold generation over breakgraph's, at least
 WARM_TARGET = 1.5  # breakgraph's cold generation over its own warm one, at most
@@ -106,27 +113,32 @@ def prompts(batch: int, length: int, vocab: int, seed: int) -> torch.Tensor:
 
 
 def generator_for(variant: str, model, batch: int, max_length: int):
-    """``(generate, capture)``: ``generate(input_ids, new_tokens) -> tokens`` the variant's way, and
-    breakgraph's capture, timed apart inside the cold generation (None for transformers' paths,
-    whose compile happens inside their first ``generate``)."""
+    """``(generate, capture, background)``: ``generate(input_ids, new_tokens) -> tokens`` the
+    variant's way; breakgraph's capture, timed apart inside the cold generation (None for
+    transformers' paths, whose compile happens inside their first ``generate``); and the Generator
+    that compiles in the background (None where none does)."""
     if variant in ("eager", "compile"):
         extra = {"cache_implementation": "static"} if variant == "compile" else {}
 
         def generate(ids, new):
             return model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, **extra)
 
-        return generate, None
+        return generate, None, None
     mode, _, how = variant.partition("_")
-    sampling = how == "sampling"
+    background = how == "compile_background"
     model.set_attn_implementation(hf.ATTENTION)
-    generator = hf.Generator(model, max_length=max_length, max_batch_size=batch, mode=mode, progress=False, compile=how == "compile")
-    if not sampling:
-        return generator.generate, generator.capture
+    generator = hf.Generator(
+        model, max_length=max_length, max_batch_size=batch, mode=mode, progress=False, compile=how.startswith("compile"),
+        compile_in_background=background,
+    )
+    background = generator if background else None
+    if how != "sampling":
+        return generator.generate, generator.capture, background
 
     def generate(ids, new):
         return generator.generate(ids, new, **SAMPLING)
 
-    return generate, lambda: generator.capture(sampling=True)
+    return generate, lambda: generator.capture(sampling=True), background
 
 
 def timed(fn) -> tuple[float, object]:
@@ -146,11 +158,18 @@ def measure_one(variant: str, batch: int, prompt: int, new: int, shape: dict, dt
     ids = prompts(batch, prompt, shape["vocab_size"], seed=batch)
     torch.cuda.synchronize()
     started = time.perf_counter()
-    generate, capture = generator_for(variant, model, batch, prompt + new)
+    generate, capture, background = generator_for(variant, model, batch, prompt + new)
     capture_s = timed(capture)[0] if capture is not None else None
     generate(ids, new)  # the first generation: every compile, capture and first use of a shape is in it
     torch.cuda.synchronize()
     cold = time.perf_counter() - started
+    compiled_s = compiling_tok_s = None
+    if background is not None:
+        served = []
+        while background.compiling:  # the last of these takes the compiled step: captures it, then generates
+            served.append(timed(lambda: generate(ids, new))[0])
+        compiled_s = time.perf_counter() - started
+        compiling_tok_s = batch * new * len(served) / sum(served)
     full, one = [], []
     for _ in range(repeats):
         seconds, tokens = timed(lambda: generate(ids, new))
@@ -161,6 +180,8 @@ def measure_one(variant: str, batch: int, prompt: int, new: int, shape: dict, dt
     return {
         "cold_s": cold,
         "capture_s": capture_s,
+        "compiled_s": compiled_s,
+        "compiling_tok_s": compiling_tok_s,
         "warm_s": warm,
         "decode_tok_s": batch * (new - 1) / decode_s,
         "ms_per_step": decode_s / (new - 1) * 1e3,
@@ -201,6 +222,8 @@ def row_of(variant: str, batch: int, new: int, result: dict, reference: list | N
         "cold_gen_s": round(result["cold_s"], 2),
         "cold_tok_s": round(batch * new / result["cold_s"], 1),
         "capture_s": round(capture, 3) if capture is not None else "-",
+        "compiled_s": round(result["compiled_s"], 2) if result.get("compiled_s") is not None else "-",
+        "compiling_tok_s": round(result["compiling_tok_s"], 1) if result.get("compiling_tok_s") is not None else "-",
         "warm_gen_s": round(result["warm_s"], 3),
         "warm_decode_tok_s": round(result["decode_tok_s"], 1),
         "ms_per_step": round(result["ms_per_step"], 3),
@@ -324,7 +347,7 @@ def main(argv=None) -> int:
             targets += lines
             sampling_targets += sampling_costs(batch, measured)
             print(row, flush=True)
-    columns = ["variant", "batch", "cold_gen_s", "cold_tok_s", "capture_s", "warm_gen_s", "warm_decode_tok_s", "ms_per_step", "memory_gib", "dynamo_graphs", "same_as_eager"]
+    columns = ["variant", "batch", "cold_gen_s", "cold_tok_s", "capture_s", "compiled_s", "compiling_tok_s", "warm_gen_s", "warm_decode_tok_s", "ms_per_step", "memory_gib", "dynamo_graphs", "same_as_eager"]
     meta = device_meta() | {"prompt": args.prompt, "new": args.new, "dtype": args.dtype, "model": "Llama-3.2-1B shape" if not args.quick else "tiny Llama"}
     import transformers
 

@@ -77,10 +77,14 @@ def test_transformers_generate_reports_cold_and_warm_generations(tmp_path):
             assert 0 < row["capture_s"] < row["cold_gen_s"], row  # the capture is part of the cold generation
         else:
             assert row["capture_s"] == "-"
+        if "in background" in row["variant"]:
+            assert row["compiled_s"] >= row["cold_gen_s"] and row["compiling_tok_s"] > 0, row  # served first, compiled later
+        else:
+            assert row["compiled_s"] == row["compiling_tok_s"] == "-"
     assert any("compile/breakable" in value for value in ratios) and any("full cold/warm" in value for value in ratios)
     batches = {row["batch"] for row in measured}
     ours = {row["variant"] for row in measured if row["variant"].startswith("breakgraph") and "sampling" not in row["variant"]}
-    assert {"breakgraph breakable + compile", "breakgraph full + compile"} <= ours
+    assert {"breakgraph breakable + compile", "breakgraph full + compile", "breakgraph breakable + compile in background"} <= ours
     targets = data["meta"]["targets"]
     assert len(targets) == (1 + len(ours)) * len(batches)  # per batch size: the best variant's decode, then one per variant
     assert sum("best breakgraph variant" in line for line in targets) == len(batches)
