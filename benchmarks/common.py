@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import statistics
 import sys
 import time
@@ -46,25 +47,31 @@ def time_variants(variants: dict, iters: int, repeats: int = 7) -> dict:
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def time_single_calls(variants: dict, calls: int, warmup: int = 5) -> dict:
-    """Median µs of one call of each variant, every call timed on its own. Calls take turns
-    (a, b, c, then b, c, a, …: the order turns every round, so no variant always follows the
-    same one), so the host's drift falls on every variant alike, and a median of single
-    calls sets aside the calls a pause on the host lengthened, which a median of blocks of
-    calls cannot. For calls that end synchronized (a training step's host reads)."""
-    names = list(variants)
-    for name in names:
-        for _ in range(warmup):
-            variants[name]()
-    samples = {name: [] for name in names}
+def time_single_calls(variants: dict, calls: int, block: int = 10, settle: int = 2, seed: int = 0) -> dict:
+    """Median µs of one call of each variant, every call timed on its own, for calls that end
+    synchronized (a training step's host reads).
+
+    Each round runs every variant's block, in a shuffled order: ``settle``
+    untimed calls, then ``block`` timed ones, until ``calls`` are timed. A call
+    right after another variant's runs slower (the host's caches hold the other's
+    code and data), so the timed calls are the settled ones a loop of the same
+    step makes; the shuffle spreads the host's drift, and which variant runs
+    before, over all alike; and a median of single calls sets aside the calls a
+    pause on the host lengthened, which a median of blocks of calls cannot.
+    """
+    order, shuffle = list(variants), random.Random(seed).shuffle
+    samples = {name: [] for name in order}
     clock = time.perf_counter_ns
-    for round_ in range(calls):
-        turn = round_ % len(names)
-        for name in names[turn:] + names[:turn]:
+    for _ in range(-(-calls // block)):
+        shuffle(order)
+        for name in order:
             fn = variants[name]
-            start = clock()
-            fn()
-            samples[name].append((clock() - start) / 1e3)
+            for _ in range(settle):
+                fn()
+            for _ in range(block):
+                start = clock()
+                fn()
+                samples[name].append((clock() - start) / 1e3)
     return {name: statistics.median(values) for name, values in samples.items()}
 
 

@@ -75,10 +75,11 @@ CLIP_NORM = 0.01
 """The gradient norm the clip keeps: far below the gradients' own, so every step is clipped and a
 variant that skipped the clip would fail the check against eager."""
 
-STEPS = 1000
-"""Steps of each variant timed one by one, taking turns, whose median is reported: the variants
-differ by less than the host's noise between two blocks of steps, and a median of single steps
-sets aside the steps a pause on the host lengthened."""
+STEPS, BLOCK, SETTLE = 1000, 100, 10
+"""Steps of each variant timed one by one in blocks of ``BLOCK`` after ``SETTLE`` untimed ones
+(``time_single_calls``), whose median is reported: a training loop runs its step back to back, and
+a step right after another variant's runs up to half again as long."""
+
 
 TOLERANCE = 1e-4
 """How far a variant's losses, weights and gradients may lie from eager's (they are equal in practice)."""
@@ -202,7 +203,7 @@ def main(argv=None) -> int:
         captured = Captured(Trainer(hidden, layers, batch, dropout=0.1), stream, meta_library)
         differences = captured.check()
         assert captured.graph.draws_random_numbers and captured.graph.num_eager_breaks == 2
-        us = time_single_calls({name: _synchronized(run) for name, run in captured.runs().items()}, steps)
+        us = time_single_calls({name: _synchronized(run) for name, run in captured.runs().items()}, steps, BLOCK, SETTLE)
         label = f"{hidden}x{layers}, batch {batch}"
         for name, value in us.items():
             rows.append(

@@ -186,7 +186,7 @@ def test_decode_step_plots_the_cold_step_on_each_bar(monkeypatch, tmp_path):
     assert (tmp_path / "decode_step.png").stat().st_size > 0
 
 
-def test_single_calls_take_turns_in_a_turning_order_and_report_each_variants_median(monkeypatch):
+def test_single_calls_are_timed_settled_in_blocks_of_each_variant_in_a_shuffled_order(monkeypatch):
     from benchmarks import common
 
     now, calls = [0], []
@@ -200,6 +200,9 @@ def test_single_calls_take_turns_in_a_turning_order_and_report_each_variants_med
 
     monkeypatch.setattr(common.time, "perf_counter_ns", lambda: now[0])
     durations = {"a": 1000, "b": 2000, "c": 3000}
-    medians = common.time_single_calls({name: variant(name, ns) for name, ns in durations.items()}, calls=4, warmup=1)
+    medians = common.time_single_calls({name: variant(name, ns) for name, ns in durations.items()}, calls=9, block=3, settle=1)
     assert medians == {"a": 1.0, "b": 2.0, "c": 3.0}  # µs
-    assert calls == ["a", "b", "c"] + ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
+    blocks = [calls[i : i + 4] for i in range(0, len(calls), 4)]
+    assert len(blocks) == 9 and all(len(set(block)) == 1 for block in blocks)  # 1 settling call, then 3 timed
+    rounds = [[block[0] for block in blocks[i : i + 3]] for i in range(0, 9, 3)]
+    assert all(sorted(names) == ["a", "b", "c"] for names in rounds) and len({tuple(names) for names in rounds}) > 1
