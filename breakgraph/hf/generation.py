@@ -78,7 +78,7 @@ class Generator:
             ``options``, ``dynamic`` or ``fullgraph``. Prefill runs uncompiled. The first capture
             compiles first, at the two smallest capture sizes (two compiles serve every size).
         compile_in_background (bool, default False): with ``compile``, capture the uncompiled
-            step at once and compile in a thread of its own once the call that captured returns
+            step, and compile in a thread of its own once the first :meth:`generate` returned
             (on a cache and inputs of its own: a second cache's memory while it runs), the
             uncompiled graphs serving meanwhile; the first :meth:`generate` after the compile
             ended (or :meth:`wait_for_compile`) captures the compiled step. The compile holds
@@ -126,7 +126,7 @@ class Generator:
         self._cache_keyword = _cache_keyword(model)
         self._compiled = None if compiling is None else compiled_forward(model, compiling)
         self._compiled_serves = compiling is not None and not compile_in_background  # the decode step runs self._compiled
-        self._compile_due = False  # compile_in_background: the uncompiled step is captured, the compile not started
+        self._compile_due = False  # compile_in_background: the uncompiled step is captured, the compile not started yet
         self._compiling: BackgroundCompile | None = None
         # A 4D mask transformers passes on as given rather than building one: breakgraph's attention
         # reads the rows' lengths instead, and the compiled forward then reads no host value.
@@ -233,7 +233,6 @@ class Generator:
         """
         require_bool("sampling", sampling)
         self._capture_steps([AMONG_CANDIDATES, OVER_VOCABULARY] if sampling else [_GREEDY])
-        self._start_due_compile()
         return self
 
     def _capture_steps(self, steps: Sequence[str]) -> None:
@@ -245,7 +244,7 @@ class Generator:
             return
         self._take_background_compile(wait=True)  # CUDA refuses another thread's allocations while one captures
         if self._compiled is not None and not self._captured:
-            if not self._compiled_serves:  # compile_in_background: started as the calling capture() or generate() returns
+            if not self._compiled_serves:  # compile_in_background: started as a generate() returns
                 self._capture(missing)
                 self._compile_due = True
                 return
@@ -383,7 +382,7 @@ class Generator:
             tokens, logits = self._new_tokens(input_ids, prompt_lengths, max_new_tokens, end, return_logits, settings)
         tokens = end.pad_after_stop(tokens)
         out = torch.cat([input_ids, tokens], dim=1)
-        self._start_due_compile()  # once this call's tokens are made: the compile would slow them
+        self._start_due_compile()  # once this call's tokens are made: the compile would slow them (see compile_in_background)
         return (out, torch.stack(logits[: tokens.shape[1]], dim=1)) if return_logits else out
 
     def _new_tokens(
