@@ -55,11 +55,16 @@ def compiled_forward(model: torch.nn.Module, keywords: Mapping[str, Any]) -> Cal
 
     A capture runs the compiled code after an eager warm-up at the same batch
     size, so it finds code compiled for it; a compile there would fail with
-    CUDA's capture error, or later, so it is an error of its own.
+    CUDA's capture error, or later, so it is an error of its own. The first
+    call makes the ``torch.compile`` wrapper, whose import of Inductor takes a
+    second or two: a compile in the background takes that with it.
     """
-    forward = torch.compile(model.forward, **keywords)
+    forward = None
 
     def run(**inputs: Any) -> Any:
+        nonlocal forward
+        if forward is None:
+            forward = torch.compile(model.forward, **keywords)
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         with torch._dynamo.config.patch(error_on_recompile=True) if capturing else contextlib.nullcontext():
             return forward(**inputs)
