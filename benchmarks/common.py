@@ -53,11 +53,11 @@ def time_single_calls(variants: dict, calls: int, block: int = 10, settle: int =
 
     Each round runs every variant's block, in a shuffled order: ``settle``
     untimed calls, then ``block`` timed ones, until ``calls`` are timed. A call
-    right after another variant's runs slower (the host's caches hold the other's
-    code and data), so the timed calls are the settled ones a loop of the same
-    step makes; the shuffle spreads the host's drift, and which variant runs
-    before, over all alike; and a median of single calls sets aside the calls a
-    pause on the host lengthened, which a median of blocks of calls cannot.
+    right after another variant's runs slower, so the timed calls are the
+    settled ones a loop of the same step makes; the shuffle spreads the host's
+    drift, and which variant runs before, over all alike; and a median of single
+    calls sets aside the calls a pause on the host lengthened, which a median of
+    blocks of calls cannot.
     """
     order, shuffle = list(variants), random.Random(seed).shuffle
     samples = {name: [] for name in order}
