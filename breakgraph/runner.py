@@ -96,6 +96,11 @@ class GraphRunner:
         return self._memory.pool
 
     @property
+    def released(self) -> bool:
+        """Whether :meth:`release` gave the graphs' memory up and :meth:`restore` has not brought it back."""
+        return self._memory.released is not None
+
+    @property
     def refusals(self) -> dict[tuple[Hashable, int], list[Refusal]]:
         """With ``share_executables``: the segments of each (key, size) that keep their own executable."""
         return self._memory.refusals

@@ -1,5 +1,7 @@
 """breakgraph.hf.Generator(compile=...) on the CPU: the compiled decode step against transformers."""
 
+import threading
+
 import pytest
 import torch
 
@@ -179,6 +181,48 @@ def test_a_failed_background_compile_is_raised_once_and_generation_goes_on_uncom
     assert not gen.compiled
     assert torch.equal(gen.generate(ids, 8), expected)
     gen.wait_for_compile()  # nothing runs: returns at once
+
+
+@pytest.mark.filterwarnings("ignore:breakgraph. no CUDA GPU")
+def test_a_failed_background_compile_that_a_generation_takes_is_a_warning_and_the_generation_serves():
+    def failing_backend(graph, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    model = small(LlamaForCausalLM, LlamaConfig)
+    gen = generator(model, compile={"backend": failing_backend}, max_batch_size=2, compile_in_background=True)
+    ids = torch.randint(0, 300, (2, 6))
+    expected = transformers_eager_generate(model, ids, 8)
+    gen.generate(ids, 8)
+    gen._compiling.error()  # the compile has ended
+    with pytest.warns(UserWarning, match="compiling the decode step in the background failed.*no compiler here"):
+        assert torch.equal(gen.generate(ids, 8), expected)
+    assert not gen.compiled and not gen.compiling
+
+
+@pytest.mark.filterwarnings("ignore:breakgraph. no CUDA GPU")
+def test_draws_made_while_a_background_compile_runs_are_not_drawn_again_after_it():
+    """Dynamo sets the default generator back to its state at a compile's start as the compile ends."""
+    started, release = threading.Event(), threading.Event()
+
+    def held_backend(graph, example_inputs):
+        started.set()
+        release.wait(timeout=60)
+        return graph.forward
+
+    model = small(LlamaForCausalLM, LlamaConfig)
+    gen = generator(model, compile={"backend": held_backend}, max_batch_size=2, compile_in_background=True)
+    ids = torch.randint(0, 300, (2, 6))
+    gen.generate(ids, 2, do_sample=True)  # captures the sampling step; the compile starts as it returns
+    assert started.wait(timeout=60)
+    during = gen.generate(ids, 12, do_sample=True, temperature=2.0)
+    release.set()
+    gen.wait_for_compile()
+    after = gen.generate(ids, 12, do_sample=True, temperature=2.0)
+    assert not torch.equal(during, after)  # the same prompts from the same generator state would draw the same tokens
+    torch.manual_seed(5)
+    seeded = gen.generate(ids, 12, do_sample=True, temperature=2.0)
+    torch.manual_seed(5)
+    assert torch.equal(gen.generate(ids, 12, do_sample=True, temperature=2.0), seeded)  # the default generator decides again
 
 
 def test_compile_in_background_needs_a_compile():

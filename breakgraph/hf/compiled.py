@@ -75,8 +75,8 @@ def compiled_forward(model: torch.nn.Module, keywords: Mapping[str, Any]) -> Cal
 class BackgroundCompile:
     """``work`` (a compile) run once in a thread of its own, while the caller goes on serving.
 
-    :attr:`finished` says whether it ended; :meth:`result` waits for it and
-    raises what it raised. The thread is a daemon: a process that ends
+    :attr:`finished` says whether it ended; :meth:`error` waits for it and
+    returns what it raised. The thread is a daemon: a process that ends
     mid-compile does not wait for it.
     """
 
@@ -88,15 +88,14 @@ class BackgroundCompile:
     def _run(self, work: Callable[[], None]) -> None:
         try:
             work()
-        except BaseException as error:  # raised again in the caller's thread by result()
+        except BaseException as error:  # handed to the caller's thread by error()
             self._error = error
 
     @property
     def finished(self) -> bool:
         return not self._thread.is_alive()
 
-    def result(self) -> None:
-        """Wait for the compile to end; raise what it raised."""
+    def error(self) -> BaseException | None:
+        """Wait for the compile to end; return what it raised, if anything."""
         self._thread.join()
-        if self._error is not None:
-            raise self._error
+        return self._error

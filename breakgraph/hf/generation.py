@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import inspect
+import warnings
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -128,6 +130,7 @@ class Generator:
         self._compiled_serves = compiling is not None and not compile_in_background  # the decode step runs self._compiled
         self._compile_due = False  # compile_in_background: the uncompiled step is captured, the compile not started yet
         self._compiling: BackgroundCompile | None = None
+        self._drew_while_compiling = False  # sampled from the default generator while a background compile ran
         # A 4D mask transformers passes on as given rather than building one: breakgraph's attention
         # reads the rows' lengths instead, and the compiled forward then reads no host value.
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
@@ -284,10 +287,11 @@ class Generator:
         cuda = self.device.type == "cuda"
         with torch.cuda.stream(torch.cuda.Stream(self.device)) if cuda else contextlib.nullcontext():
             twin = self.cache.twin()
-            # Of the kind of the runner's static inputs, which torch.compile guards on: made outside
-            # inference mode, with their shapes and strides.
+            # Of the kind of the runner's static inputs, which torch.compile guards on: their shapes
+            # and strides, and made under inference mode only if they were.
             views = [self.runner.inputs.views(size) for size in self._compile_sizes()]
-            sizes = [{name: torch.zeros_like(view) for name, view in inputs.items()} for inputs in views]
+            with torch.inference_mode(next(iter(views[0].values())).is_inference()):
+                sizes = [{name: torch.zeros_like(view) for name, view in inputs.items()} for inputs in views]
             with torch.inference_mode():
                 for inputs in sizes:
                     self._logits(twin, self._compiled, **inputs)
@@ -297,33 +301,44 @@ class Generator:
     def wait_for_compile(self) -> Generator:
         """Wait for the background compile (``compile_in_background=True``) to end and capture the
         compiled step now, rather than on the next :meth:`generate`; raises what the compile
-        raised. Returns at once where no compile is due or under way."""
+        raised (where :meth:`generate` only warns). Returns at once where no compile is due or
+        under way."""
         self._start_due_compile()
-        self._take_background_compile(wait=True)
+        self._take_background_compile(wait=True, raise_error=True)
         return self
 
     def _start_due_compile(self) -> None:
         if self._compile_due:
             self._compile_due = False
+            self._draws.set_state(self._default_generator().get_state())  # where draws go on from during the compile
             self._compiling = BackgroundCompile(self._compile_on_a_twin)
 
-    def _take_background_compile(self, wait: bool) -> None:
+    def _take_background_compile(self, wait: bool, raise_error: bool = False) -> None:
         """If the background compile ended (with ``wait``, once it ends), serve the compiled step
-        from now on: capture the steps captured so far again, compiled."""
+        from now on: capture the steps captured so far again, compiled. A failed compile leaves
+        the step uncompiled, and is raised with ``raise_error``, else warned of (a generation
+        that serves is not the place to fail for it)."""
         compiling = self._compiling
         if compiling is None or not (wait or compiling.finished):
             return
+        error = compiling.error()  # waits for the thread; cleared only once it ended
         self._compiling = None
-        try:
-            compiling.result()
-        except Exception as error:
+        self._hand_draws_back()
+        gc.collect()  # the twin cache (its layers point back at it) and its inputs
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # their blocks, cached for the compile's stream, for the captures to come
+        if error is not None:
             self._compiled = None
-            raise RuntimeError("compiling the decode step in the background failed; the Generator goes on uncompiled") from error
+            message = "compiling the decode step in the background failed; the Generator goes on uncompiled"
+            if raise_error:
+                raise RuntimeError(message) from error
+            warnings.warn(f"breakgraph: {message}: {error!r}", stacklevel=3)
+            return
         self._compiled_serves = True
         if self.runner.eager_reason is not None:
             return
         for runner, variants in ((self.runner, {_GREEDY}), (self.sampling_runner, {AMONG_CANDIDATES, OVER_VOCABULARY})):
-            if self._captured & variants:
+            if self._captured & variants and not runner.released:  # a runner released by its user captures on restore()
                 runner.release()
                 with torch.inference_mode():
                     runner.restore()  # every variant: capture() captures all of a runner's keys
@@ -431,13 +446,32 @@ class Generator:
         """Draw from ``generator`` (None: the device's default) for the body's length, through the
         Generator's own generator, which the sampling graphs were captured with: it starts from
         ``generator``'s state and hands the advanced state back, as if ``generator`` had drawn."""
+        if generator is None and self._compiling is not None:
+            # Dynamo sets the default generators back to their state at a compile's start as the
+            # compile ends: while one runs, the draws go on from the Generator's own state, which
+            # the default generator takes once the compile is taken (_hand_draws_back).
+            self._drew_while_compiling = True
+            yield
+            return
+        chain = self._draws.get_state() if self._compiling is not None else None
         if generator is None:
-            generator = torch.cuda.default_generators[self.device.index] if self.device.type == "cuda" else torch.default_generator
+            generator = self._default_generator()
         self._draws.set_state(generator.get_state())
         try:
             yield
         finally:
             generator.set_state(self._draws.get_state())
+            if chain is not None:
+                self._draws.set_state(chain)  # what the default generator's draws go on from during the compile
+
+    def _default_generator(self) -> torch.Generator:
+        return torch.cuda.default_generators[self.device.index] if self.device.type == "cuda" else torch.default_generator
+
+    def _hand_draws_back(self) -> None:
+        """Give the default generator the state the draws made during a background compile reached."""
+        if self._drew_while_compiling:
+            self._drew_while_compiling = False
+            self._default_generator().set_state(self._draws.get_state())
 
     def _prompt_lengths(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int) -> list[int]:
         """Each row's prompt length, once the call is checked against the cache."""
