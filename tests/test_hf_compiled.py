@@ -165,15 +165,21 @@ def test_a_background_compile_serves_uncompiled_until_it_ends_then_compiled_with
     assert torch.equal(gen.generate(ids, 16, do_sample=True, top_k=1), expected)
 
 
-@pytest.mark.filterwarnings("ignore:breakgraph. no CUDA GPU")
-def test_a_failed_background_compile_is_raised_once_and_generation_goes_on_uncompiled():
+def failing_compile_in_background():
+    """A Generator whose background compile fails, its prompts, and transformers' tokens for them."""
+
     def failing_backend(graph, example_inputs):
         raise RuntimeError("no compiler here")
 
     model = small(LlamaForCausalLM, LlamaConfig)
     gen = generator(model, compile={"backend": failing_backend}, max_batch_size=2, compile_in_background=True)
     ids = torch.randint(0, 300, (2, 6))
-    expected = transformers_eager_generate(model, ids, 8)
+    return gen, ids, transformers_eager_generate(model, ids, 8)
+
+
+@pytest.mark.filterwarnings("ignore:breakgraph. no CUDA GPU")
+def test_a_failed_background_compile_is_raised_once_and_generation_goes_on_uncompiled():
+    gen, ids, expected = failing_compile_in_background()
     assert torch.equal(gen.generate(ids, 8), expected)
     with pytest.raises(RuntimeError, match="compiling the decode step in the background failed; the Generator goes on uncompiled") as raised:
         gen.wait_for_compile()
@@ -185,13 +191,7 @@ def test_a_failed_background_compile_is_raised_once_and_generation_goes_on_uncom
 
 @pytest.mark.filterwarnings("ignore:breakgraph. no CUDA GPU")
 def test_a_failed_background_compile_that_a_generation_takes_is_a_warning_and_the_generation_serves():
-    def failing_backend(graph, example_inputs):
-        raise RuntimeError("no compiler here")
-
-    model = small(LlamaForCausalLM, LlamaConfig)
-    gen = generator(model, compile={"backend": failing_backend}, max_batch_size=2, compile_in_background=True)
-    ids = torch.randint(0, 300, (2, 6))
-    expected = transformers_eager_generate(model, ids, 8)
+    gen, ids, expected = failing_compile_in_background()
     gen.generate(ids, 8)
     gen._compiling.error()  # the compile has ended
     with pytest.warns(UserWarning, match="compiling the decode step in the background failed.*no compiler here"):

@@ -79,13 +79,17 @@ def test_a_background_compile_serves_uncompiled_graphs_while_it_compiles_then_co
     gen = hf.Generator(model, max_length=96, max_batch_size=4, progress=False, compile=True, compile_in_background=True)
     assert torch.equal(gen.generate(ids, 64), expected)  # captured uncompiled; the compile starts as it returns
     assert gen.compiling and not gen.compiled
+    uncompiled = list(gen.runner.graphs.values())  # held, so that no graph captured later can take their place
     assert torch.equal(gen.generate(ids, 64), expected)  # served by the uncompiled graphs, Inductor compiling beside it
     gen.wait_for_compile()
-    assert gen.compiled and len(gen.runner.graphs) == 3  # sizes 1, 2 and 4, captured again
+    assert gen.compiled and len(gen.runner.graphs) == 3  # sizes 1, 2 and 4
+    assert not {id(graph) for graph in gen.runner.graphs.values()} & {id(graph) for graph in uncompiled}  # captured again
     assert torch.equal(gen.generate(ids, 64), expected)
     assert torch.equal(gen.generate(ids[:1], 64), expected[:1])
+    assert torch.equal(gen.generate(ids, 64, do_sample=True, top_k=1), expected)  # the sampling step, captured compiled
     assert counters["stats"]["unique_graphs"] - graphs == 2
     gen.runner.release()
+    gen.sampling_runner.release()
 
 
 @pytest.mark.parametrize("mode", VARIANTS)
