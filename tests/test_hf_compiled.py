@@ -199,9 +199,8 @@ def test_a_failed_background_compile_that_a_generation_takes_is_a_warning_and_th
     assert not gen.compiled and not gen.compiling
 
 
-@pytest.mark.filterwarnings("ignore:breakgraph. no CUDA GPU")
-def test_draws_made_while_a_background_compile_runs_are_not_drawn_again_after_it():
-    """Dynamo sets the default generator back to its state at a compile's start as the compile ends."""
+def held_compile_in_background():
+    """A Generator whose background compile holds until ``release`` is set (``started`` once it began)."""
     started, release = threading.Event(), threading.Event()
 
     def held_backend(graph, example_inputs):
@@ -211,6 +210,24 @@ def test_draws_made_while_a_background_compile_runs_are_not_drawn_again_after_it
 
     model = small(LlamaForCausalLM, LlamaConfig)
     gen = generator(model, compile={"backend": held_backend}, max_batch_size=2, compile_in_background=True)
+    return gen, started, release
+
+
+@pytest.mark.filterwarnings("ignore:breakgraph. no CUDA GPU")
+def test_a_step_not_captured_yet_waits_for_the_background_compile_then_captures_compiled():
+    gen, started, release = held_compile_in_background()
+    ids = torch.randint(0, 300, (2, 6))
+    gen.generate(ids, 2)  # the greedy step; the compile starts as it returns
+    assert started.wait(timeout=60)
+    threading.Timer(0.5, release.set).start()
+    gen.generate(ids, 2, do_sample=True)  # a sampling step to capture: CUDA would refuse it beside the compile
+    assert release.is_set() and gen.compiled and not gen.compiling
+
+
+@pytest.mark.filterwarnings("ignore:breakgraph. no CUDA GPU")
+def test_draws_made_while_a_background_compile_runs_are_not_drawn_again_after_it():
+    """Dynamo sets the default generator back to its state at a compile's start as the compile ends."""
+    gen, started, release = held_compile_in_background()
     ids = torch.randint(0, 300, (2, 6))
     gen.generate(ids, 2, do_sample=True)  # captures the sampling step; the compile starts as it returns
     assert started.wait(timeout=60)
