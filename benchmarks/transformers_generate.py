@@ -125,13 +125,13 @@ def generator_for(variant: str, model, batch: int, max_length: int):
 
         return generate, None, None
     mode, _, how = variant.partition("_")
-    background = how == "compile_background"
+    in_background = how == "compile_background"
     model.set_attn_implementation(hf.ATTENTION)
     generator = hf.Generator(
         model, max_length=max_length, max_batch_size=batch, mode=mode, progress=False, compile=how.startswith("compile"),
-        compile_in_background=background,
+        compile_in_background=in_background,
     )
-    background = generator if background else None
+    background = generator if in_background else None
     if how != "sampling":
         return generator.generate, generator.capture, background
 
