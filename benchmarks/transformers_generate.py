@@ -39,8 +39,8 @@ Reported per variant and batch size:
   plan; breakable attention meets a new key length at every step). Its
   tokens/s: ``batch * new`` over it;
 - *warm generation*: the median time of the same call once warm, and decode
-  tokens per second (its time less that of one new token, over
-  ``batch * (new - 1)`` tokens);
+  tokens per second (its time less that of one new token, itself timed
+  after an untimed first call, over ``batch * (new - 1)`` tokens);
 - peak memory beyond the weights; the graphs torch.compile compiled; and, for the greedy variants, how many
   of each row's tokens equal transformers' eager tokens (in bfloat16
   greedy paths may part after a near-tie; in float32 the GPU tests require
@@ -170,6 +170,7 @@ def measure_one(variant: str, batch: int, prompt: int, new: int, shape: dict, dt
             served.append(timed(lambda: generate(ids, new))[0])
         compiled_s = time.perf_counter() - started
         compiling_tok_s = batch * new * len(served) / sum(served)
+    generate(ids, 1)  # a one-token generation's first call is cold (its shapes are new): keep it out of the timings
     full, one = [], []
     for _ in range(repeats):
         seconds, tokens = timed(lambda: generate(ids, new))
@@ -316,7 +317,7 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (128)")
     parser.add_argument("--new", type=int, default=None, help="new tokens (128)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--repeats", type=int, default=None, help="warm generations timed, the median kept (3)")
+    parser.add_argument("--repeats", type=int, default=3, help="warm generations timed, the median kept")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--one", choices=list(VARIANTS), help=argparse.SUPPRESS)  # a child process: one measurement
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -324,7 +325,6 @@ def main(argv=None) -> int:
     require_gpu("transformers_generate")
     args.prompt = args.prompt or (16 if args.quick else 128)
     args.new = args.new or (16 if args.quick else 128)
-    args.repeats = args.repeats or (1 if args.quick else 3)
     shape = QUICK if args.quick else hf.LLAMA_3_2_1B
     if args.one:
         measured = measure_one(args.one, args.batches[0], args.prompt, args.new, shape, getattr(torch, args.dtype), args.repeats)
