@@ -49,7 +49,8 @@ class BreakableCUDAGraph:
         self.debug = debug  # None: BREAKGRAPH_DEBUG decides
         self.check_finite = False
         self._before_replay = self._after_replay = None
-        self._first_segment = 0
+        self._segment_of_step: dict = {}
+        self._streams: dict = {}  # raw stream -> cudaStream_t: replay looks its stream up without a call
         self._device = None
         self._recorder: recorder.Recorder | None = None
         self._released = False  # executables released, graphs kept
@@ -219,13 +220,22 @@ class BreakableCUDAGraph:
             raise RuntimeError(f"{what} needs a captured graph: capture it first")
 
     def _build_plan(self) -> None:
-        """The replay plan: one ``launch(stream)`` per step, with only the steps this graph needs."""
+        """The replay plan: one ``launch(stream)`` per step, with only the steps this graph needs.
+
+        Python (breaks, hooks) runs with autograd off: what a break returns is copied into
+        captured buffers. Autograd is turned off by a step just before the first of them,
+        so the launches ahead of it do not wait for it: the GPU starts sooner."""
         segment_steps = [segment.launcher() for segment in self._segments]
         if self.debug:
             segment_steps = debug_mode.checked(self._segments, segment_steps, lambda: self.check_finite)
-        steps = [_hook(self._before_replay), *segment_steps, _hook(self._after_replay)]
-        self._plan = tuple(step for step in steps if step is not None)
-        self._first_segment = self._plan.index(segment_steps[0]) if segment_steps else 0
+        self._segment_of_step = {step: index for index, step in enumerate(segment_steps)}
+        before, after = _hook(self._before_replay), _hook(self._after_replay)
+        breaks = [step for step, segment in zip(segment_steps, self._segments) if segment.kind == "eager"]
+        python = {step for step in (before, *breaks, after) if step is not None}
+        steps = [step for step in (before, *segment_steps, after) if step is not None]
+        if python:
+            steps.insert(next(index for index, step in enumerate(steps) if step in python), _autograd_off)
+        self._plan = tuple(steps)
 
     # -- replay -------------------------------------------------------------------------
     def replay(self) -> None:
@@ -235,22 +245,24 @@ class BreakableCUDAGraph:
             if self._released:
                 raise RuntimeError("this graph's executables were released (release_executables()): call restore_executables() first")
             raise RuntimeError("this BreakableCUDAGraph holds no capture: capture it with BreakableCUDAGraphCapture first")
-        stream = bindings.stream_handle(torch._C._cuda_getCurrentRawStream(self._device.index))
-        # Breaks replay with autograd off (what they return is written into captured buffers).
-        # torch.no_grad() would cost every replay a few µs of Python objects: set the mode itself.
+        raw = torch._C._cuda_getCurrentRawStream(self._device.index)
+        stream = self._streams.get(raw)
+        if stream is None:
+            stream = self._streams[raw] = bindings.stream_handle(raw)
+        # The plan turns autograd off before its first break (_build_plan); torch.no_grad()
+        # would cost every replay a few µs of Python objects: the mode is set directly.
         grad_enabled = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
         try:
             for launch in plan:
                 status = launch(stream)
                 if status is not None and status[0]:
-                    self._raise_launch_error(status[0], plan.index(launch) - self._first_segment)
+                    self._raise_launch_error(status[0], launch)
         finally:
             torch._C._set_grad_enabled(grad_enabled)
 
-    def _raise_launch_error(self, error, index: int) -> None:
+    def _raise_launch_error(self, error, launch) -> None:
         bindings.clear_last_error()
-        raise CudaError(error, "cudaGraphLaunch", debug_mode.describe(self._segments[index]))
+        raise CudaError(error, "cudaGraphLaunch", debug_mode.describe(self._segments[self._segment_of_step[launch]]))
 
     # -- lifecycle ----------------------------------------------------------------------
     def reset(self) -> None:
@@ -260,7 +272,7 @@ class BreakableCUDAGraph:
             segment.release()
         self._segments = ()
         self._plan, self._released = None, False
-        self._first_segment = 0
+        self._segment_of_step = {}
 
     @property
     def debug(self) -> bool:
@@ -287,6 +299,10 @@ def check_replay_hooks(before, after) -> None:
 @functools.cache
 def _default_stream_handle(device_index: int) -> int:
     return torch.cuda.default_stream(device_index).cuda_stream
+
+
+def _autograd_off(_stream) -> None:
+    torch._C._set_grad_enabled(False)
 
 
 def _hook(hook):

@@ -45,6 +45,41 @@ def test_inference_with_grad_requiring_parameters_captures_and_replays(context, 
                 assert_close(out, fn(fresh), 1e-4, 1e-4)
 
 
+@pytest.mark.parametrize("grad_enabled", [True, False])
+def test_breaks_and_hooks_replay_with_autograd_off_and_the_callers_mode_comes_back(grad_enabled):
+    seen, fail = [], [False]
+
+    @bg.eager_on_graph
+    def scaled(h):
+        seen.append(("break", torch.is_grad_enabled()))
+        if fail[0]:
+            raise ValueError("the break failed")
+        return h * 3
+
+    x = torch.randn(8, device=DEV)
+    graph = bg.BreakableCUDAGraph()
+    with bg.BreakableCUDAGraphCapture(graph):
+        y = scaled(x + 1) - 2
+    graph.set_replay_hooks(
+        before=lambda: seen.append(("before", torch.is_grad_enabled())), after=lambda: seen.append(("after", torch.is_grad_enabled()))
+    )
+    with torch.set_grad_enabled(grad_enabled):
+        for _ in range(2):
+            seen.clear()
+            fresh = torch.randn_like(x)
+            x.copy_(fresh)
+            poison_(y)
+            graph.replay()
+            assert torch.is_grad_enabled() is grad_enabled
+            assert seen == [("before", False), ("break", False), ("after", False)]
+            assert_close(y, (fresh + 1) * 3 - 2, 1e-6, 1e-6)
+        fail[0] = True
+        with pytest.raises(ValueError, match="the break failed"):
+            graph.replay()
+        assert torch.is_grad_enabled() is grad_enabled  # set back after a failed replay too
+    torch.cuda.synchronize()
+
+
 def test_a_backward_that_reaches_a_break_is_refused_there_with_the_fix():
     @bg.eager_on_graph
     def differentiable(x):
