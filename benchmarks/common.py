@@ -47,31 +47,26 @@ def time_variants(variants: dict, iters: int, repeats: int = 7) -> dict:
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def time_single_calls(variants: dict, calls: int, block: int = 10, settle: int = 2, seed: int = 0) -> dict:
-    """Median µs of one call of each variant, every call timed on its own, for calls that end
-    synchronized (a training step's host reads).
+def time_alternated(variants: dict, rounds: int, seed: int = 0) -> dict:
+    """Median µs of one call of each variant, for calls that end synchronized (a training
+    step's host reads): every round calls each variant once, in a shuffled order, and
+    times each call on its own.
 
-    Each round runs every variant's block, in a shuffled order: ``settle``
-    untimed calls, then ``block`` timed ones, until ``calls`` are timed. A call
-    right after another variant's runs slower, so the timed calls are the
-    settled ones a loop of the same step makes; the shuffle spreads the host's
-    drift, and which variant runs before, over all alike; and a median of single
-    calls sets aside the calls a pause on the host lengthened, which a median of
-    blocks of calls cannot.
+    The host drifts (on a shared host a variant's step can take a third longer from one
+    second to the next): calling the variants in turn puts the same drift on each, so their
+    ratios hold where blocks of one variant's calls, timed apart, moved them by several
+    percent. A median of single calls sets aside those a pause on the host lengthened.
     """
     order, shuffle = list(variants), random.Random(seed).shuffle
     samples = {name: [] for name in order}
     clock = time.perf_counter_ns
-    for _ in range(-(-calls // block)):
+    for _ in range(rounds):
         shuffle(order)
         for name in order:
             fn = variants[name]
-            for _ in range(settle):
-                fn()
-            for _ in range(block):
-                start = clock()
-                fn()
-                samples[name].append((clock() - start) / 1e3)
+            start = clock()
+            fn()
+            samples[name].append((clock() - start) / 1e3)
     return {name: statistics.median(values) for name, values in samples.items()}
 
 

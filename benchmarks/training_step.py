@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import breakgraph as bg
-from benchmarks.common import device_meta, plot_grouped_bars, require_gpu, time_single_calls, write_outputs
+from benchmarks.common import device_meta, plot_grouped_bars, require_gpu, time_alternated, write_outputs
 from benchmarks.peers import META, load_meta, meta_ratios
 from breakgraph.runtime import run_on_stream
 
@@ -75,10 +75,9 @@ CLIP_NORM = 0.01
 """The gradient norm the clip keeps: far below the gradients' own, so every step is clipped and a
 variant that skipped the clip would fail the check against eager."""
 
-STEPS, BLOCK, SETTLE = 1000, 100, 10
-"""Steps of each variant timed one by one in blocks of ``BLOCK`` after ``SETTLE`` untimed ones
-(``time_single_calls``), whose median is reported: a training loop runs its step back to back, and
-a step right after another variant's runs longer (15 to 23 % at the small shape, on an H100 host)."""
+ROUNDS = 2000
+"""Rounds of single steps, each round one step of every variant in a shuffled order
+(``time_alternated``): a variant's median step is over ``ROUNDS`` steps."""
 
 
 TOLERANCE = 1e-4
@@ -194,7 +193,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="results")
     args = parser.parse_args(argv)
     require_gpu("training_step")
-    steps = 20 if args.quick else STEPS
+    rounds = 20 if args.quick else ROUNDS
     shapes = [(512, 4, 32)] if args.quick else [(512, 8, 32), (1024, 8, 256), (2048, 8, 1024)]
     stream = torch.cuda.Stream()
     meta_library = load_meta()
@@ -203,7 +202,7 @@ def main(argv=None) -> int:
         captured = Captured(Trainer(hidden, layers, batch, dropout=0.1), stream, meta_library)
         differences = captured.check()
         assert captured.graph.draws_random_numbers and captured.graph.num_eager_breaks == 2
-        us = time_single_calls({name: _synchronized(run) for name, run in captured.runs().items()}, steps, BLOCK, SETTLE)
+        us = time_alternated({name: _synchronized(run) for name, run in captured.runs().items()}, rounds)
         label = f"{hidden}x{layers}, batch {batch}"
         for name, value in us.items():
             rows.append(

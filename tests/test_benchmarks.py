@@ -186,7 +186,7 @@ def test_decode_step_plots_the_cold_step_on_each_bar(monkeypatch, tmp_path):
     assert (tmp_path / "decode_step.png").stat().st_size > 0
 
 
-def test_single_calls_are_timed_settled_in_blocks_of_each_variant_in_a_shuffled_order(monkeypatch):
+def test_alternated_timing_calls_each_variant_once_a_round_in_a_shuffled_order(monkeypatch):
     from benchmarks import common
 
     now, calls = [0], []
@@ -200,9 +200,8 @@ def test_single_calls_are_timed_settled_in_blocks_of_each_variant_in_a_shuffled_
 
     monkeypatch.setattr(common.time, "perf_counter_ns", lambda: now[0])
     durations = {"a": 1000, "b": 2000, "c": 3000}
-    medians = common.time_single_calls({name: variant(name, ns) for name, ns in durations.items()}, calls=9, block=3, settle=1)
-    assert medians == {"a": 1.0, "b": 2.0, "c": 3.0}  # µs
-    blocks = [calls[i : i + 4] for i in range(0, len(calls), 4)]
-    assert len(blocks) == 9 and all(len(set(block)) == 1 for block in blocks)  # 1 settling call, then 3 timed
-    rounds = [[block[0] for block in blocks[i : i + 3]] for i in range(0, 9, 3)]
-    assert all(sorted(names) == ["a", "b", "c"] for names in rounds) and len({tuple(names) for names in rounds}) > 1
+    medians = common.time_alternated({name: variant(name, ns) for name, ns in durations.items()}, rounds=6)
+    assert medians == {"a": 1.0, "b": 2.0, "c": 3.0}  # µs, each call timed on its own
+    rounds = [tuple(calls[i : i + 3]) for i in range(0, len(calls), 3)]
+    assert len(rounds) == 6 and all(sorted(names) == ["a", "b", "c"] for names in rounds)
+    assert len(set(rounds)) > 1  # shuffled
