@@ -225,16 +225,16 @@ class BreakableCUDAGraph:
         Python (breaks, hooks) runs with autograd off: what a break returns is copied into
         captured buffers. Autograd is turned off by a step just before the first of them,
         so the launches ahead of it do not wait for it: the GPU starts sooner."""
-        segment_steps = [segment.launcher() for segment in self._segments]
-        if self.debug:
-            segment_steps = debug_mode.checked(self._segments, segment_steps, lambda: self.check_finite)
-        self._segment_of_step = {step: index for index, step in enumerate(segment_steps)}
+        launchers = [segment.launcher() for segment in self._segments]
+        self._segment_of_step = {launch: index for index, launch in enumerate(launchers)}
+        breaks = [launch for launch, segment in zip(launchers, self._segments) if segment.kind == "eager"]
+        if self.debug:  # its checks wrap every launch in Python (and raise their own errors)
+            launchers = debug_mode.checked(self._segments, launchers, lambda: self.check_finite)
         before, after = _hook(self._before_replay), _hook(self._after_replay)
-        breaks = [step for step, segment in zip(segment_steps, self._segments) if segment.kind == "eager"]
-        python = {step for step in (before, *breaks, after) if step is not None}
-        steps = [step for step in (before, *segment_steps, after) if step is not None]
+        steps = [step for step in (before, *launchers, after) if step is not None]
+        python = steps if self.debug else [step for step in (before, *breaks, after) if step is not None]
         if python:
-            steps.insert(next(index for index, step in enumerate(steps) if step in python), _autograd_off)
+            steps.insert(steps.index(python[0]), _autograd_off)
         self._plan = tuple(steps)
 
     # -- replay -------------------------------------------------------------------------
