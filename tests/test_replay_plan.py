@@ -53,7 +53,6 @@ def test_debug_mode_turns_autograd_off_before_its_checks():
 
 
 def test_the_step_turns_autograd_off():
-    with torch.enable_grad():
+    with torch.enable_grad():  # which sets the mode back as it exits
         _autograd_off(None)
         assert not torch.is_grad_enabled()
-        torch.set_grad_enabled(True)
