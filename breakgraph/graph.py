@@ -6,7 +6,8 @@ between :meth:`~BreakableCUDAGraph.capture_begin` and
 :class:`~breakgraph.BreakableCUDAGraphCapture` context manager calls them),
 then replayed any number of times. What happens during capture is the
 recorder's business (:mod:`breakgraph.recorder`); what the graph holds
-afterwards is a tuple of segments and the replay plan built from them.
+afterwards is a tuple of segments and the replay plan built from them
+(:mod:`breakgraph.plan`).
 """
 
 from __future__ import annotations
@@ -16,11 +17,10 @@ from typing import Any, Callable
 
 import torch
 
-import breakgraph_bindings as bindings
-from breakgraph_bindings import CudaError
-from breakgraph import context, debug as debug_mode, recorder, runtime
+from breakgraph import context, recorder, runtime
 from breakgraph.dispatch import clearer_error
 from breakgraph.options import CaptureOptions
+from breakgraph.plan import ReplayPlan
 from breakgraph.pool import OwnedPool, new_pool, require_pool
 from breakgraph.segments import Segment
 
@@ -45,12 +45,10 @@ class BreakableCUDAGraph:
         # as it dies only when nothing holds it there.
         self._segments: tuple[Segment, ...] = ()
         self._pool = None if pool is None else OwnedPool(pool)
-        self._plan: tuple | None = None
+        self._plan: ReplayPlan | None = None
         self.debug = debug  # None: BREAKGRAPH_DEBUG decides
         self.check_finite = False
         self._before_replay = self._after_replay = None
-        self._segment_of_step: dict = {}
-        self._streams: dict = {}  # raw stream -> cudaStream_t: replay looks its stream up without a call
         self._device = None
         self._recorder: recorder.Recorder | None = None
         self._released = False  # executables released, graphs kept
@@ -220,22 +218,8 @@ class BreakableCUDAGraph:
             raise RuntimeError(f"{what} needs a captured graph: capture it first")
 
     def _build_plan(self) -> None:
-        """The replay plan: one ``launch(stream)`` per step, with only the steps this graph needs.
-
-        Python (breaks, hooks) runs with autograd off: what a break returns is copied into
-        captured buffers. Autograd is turned off by a step just before the first of them,
-        so the launches ahead of it do not wait for it: the GPU starts sooner."""
-        launchers = [segment.launcher() for segment in self._segments]
-        self._segment_of_step = {launch: index for index, launch in enumerate(launchers)}
-        breaks = [launch for launch, segment in zip(launchers, self._segments) if segment.kind == "eager"]
-        if self.debug:  # its checks wrap every launch in Python (and raise their own errors)
-            launchers = debug_mode.checked(self._segments, launchers, lambda: self.check_finite)
-        before, after = _hook(self._before_replay), _hook(self._after_replay)
-        steps = [step for step in (before, *launchers, after) if step is not None]
-        python = steps if self.debug else [step for step in (before, *breaks, after) if step is not None]
-        if python:
-            steps.insert(steps.index(python[0]), _autograd_off)
-        self._plan = tuple(steps)
+        """The replay plan: the hooks this graph has, its segments, debug mode's checks if on."""
+        self._plan = ReplayPlan(self._segments, self._before_replay, self._after_replay, self.debug, lambda: self.check_finite)
 
     # -- replay -------------------------------------------------------------------------
     def replay(self) -> None:
@@ -245,24 +229,11 @@ class BreakableCUDAGraph:
             if self._released:
                 raise RuntimeError("this graph's executables were released (release_executables()): call restore_executables() first")
             raise RuntimeError("this BreakableCUDAGraph holds no capture: capture it with BreakableCUDAGraphCapture first")
-        raw = torch._C._cuda_getCurrentRawStream(self._device.index)
-        stream = self._streams.get(raw)
-        if stream is None:
-            stream = self._streams[raw] = bindings.stream_handle(raw)
-        # The plan turns autograd off before its first break (_build_plan); torch.no_grad()
-        # would cost every replay a few µs of Python objects: the mode is set directly.
-        grad_enabled = torch.is_grad_enabled()
-        try:
-            for launch in plan:
-                status = launch(stream)
-                if status is not None and status[0]:
-                    self._raise_launch_error(status[0], launch)
-        finally:
-            torch._C._set_grad_enabled(grad_enabled)
-
-    def _raise_launch_error(self, error, launch) -> None:
-        bindings.clear_last_error()
-        raise CudaError(error, "cudaGraphLaunch", debug_mode.describe(self._segments[self._segment_of_step[launch]]))
+        stream = torch._C._cuda_getCurrentRawStream(self._device.index)
+        replay = plan.by_stream.get(stream)
+        if replay is None:
+            replay = plan.compile(stream)
+        replay()
 
     # -- lifecycle ----------------------------------------------------------------------
     def reset(self) -> None:
@@ -272,7 +243,6 @@ class BreakableCUDAGraph:
             segment.release()
         self._segments = ()
         self._plan, self._released = None, False
-        self._segment_of_step = {}
 
     @property
     def debug(self) -> bool:
@@ -299,19 +269,3 @@ def check_replay_hooks(before, after) -> None:
 @functools.cache
 def _default_stream_handle(device_index: int) -> int:
     return torch.cuda.default_stream(device_index).cuda_stream
-
-
-def _autograd_off(_stream) -> None:
-    torch._C._set_grad_enabled(False)
-
-
-def _hook(hook):
-    """A call the replay makes beside its segments (a user's hook) as a plan step
-    (``launch(stream)``), or None when there is none."""
-    if hook is None:
-        return None
-
-    def call(_stream) -> None:
-        hook()
-
-    return call

@@ -4,10 +4,11 @@ Graph segments come in two kinds: those breakgraph captured and launches
 through cuda.bindings, and those that draw random numbers, which torch
 captured and replays (:mod:`breakgraph.rng`). All kinds share one interface,
 as ``torch.cuda.CUDAGraph.replay`` and an eager call share "run this step":
-:meth:`launcher` returns the callable that replay's loop calls with the
-stream handle, :meth:`release` frees what the segment holds, and
-``argument_addresses``/``result`` are what debug mode checks. Replay, debug
-mode and profiling are built on that interface alone.
+:meth:`launcher` returns the callable that runs the step on a stream handle,
+:meth:`release` frees what the segment holds, and
+``argument_addresses``/``result`` are what debug mode checks. Debug mode and
+profiling are built on that interface alone; replay writes the steps out per
+stream (:mod:`breakgraph.plan`).
 """
 
 from __future__ import annotations

@@ -22,6 +22,9 @@ class WritebackError(RuntimeError):
 
 
 Writer = Callable[[Any], int]
+"""``write(result) -> bytes copied``. A writer's ``result_type`` is the one type a result
+may have when the result holds no buffers (None, a number, a string): the writer then only
+checks the type and copies nothing, so replay checks it in line. None for the others."""
 
 
 def make_writer(function_name: str, captured: Any, flat: trees.Flat | None = None) -> Writer:
@@ -60,6 +63,7 @@ def _fail(function_name: str, path: str, problem: str):
 
 class _NoneWriter:
     __slots__ = ("function_name",)
+    result_type = type(None)
 
     def __init__(self, function_name: str):
         self.function_name = function_name
@@ -74,6 +78,7 @@ class _TensorWriter:
     """The common case, kept to a handful of attribute reads: it runs once per break per replay."""
 
     __slots__ = ("function_name", "captured", "nbytes")
+    result_type = None
 
     def __init__(self, function_name: str, captured: torch.Tensor):
         self.function_name = function_name
@@ -96,15 +101,15 @@ class _TensorWriter:
 class _ValueWriter:
     """A number, string or other value returned whole: nothing holds it to write into."""
 
-    __slots__ = ("function_name", "kind")
+    __slots__ = ("function_name", "result_type")
 
     def __init__(self, function_name: str, captured: Any):
         self.function_name = function_name
-        self.kind = type(captured)
+        self.result_type = type(captured)
 
     def __call__(self, result) -> int:
-        if type(result) is not self.kind:
-            _fail(self.function_name, "out", f"type {self.kind.__name__} at capture, {type(result).__name__} at replay")
+        if type(result) is not self.result_type:
+            _fail(self.function_name, "out", f"type {self.result_type.__name__} at capture, {type(result).__name__} at replay")
         return 0
 
 
@@ -117,6 +122,7 @@ class _TreeWriter:
     """
 
     __slots__ = ("function_name", "captured", "flat")
+    result_type = None
 
     def __init__(self, function_name: str, captured: Any, flat: trees.Flat):
         self.function_name = function_name

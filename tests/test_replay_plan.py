@@ -1,58 +1,147 @@
-"""The replay plan's layout (CPU): launches ahead of the first Python step go first, and
-autograd goes off just before that step; debug mode turns it off before anything."""
+"""The replay plan on CPU, with segments whose launches record themselves: the order of the
+steps, where autograd goes off and comes back, writeback and launch errors, one function
+per stream."""
 
+import traceback
+
+import pytest
 import torch
 
-import breakgraph as bg
-from breakgraph.graph import _autograd_off
+import breakgraph_bindings as bindings
+from breakgraph import debug as debug_mode
+from breakgraph.plan import ReplayPlan
+from breakgraph.segments import EagerSegment, TorchGraphSegment
+from breakgraph.writeback import WritebackError, make_writer
+
+CUDA_ERROR_INVALID_VALUE = 1
 
 
-class FakeSegment:
-    def __init__(self, kind: str):
-        self.kind = kind
+class Log(list):
+    def step(self, name):
+        self.append((name, torch.is_grad_enabled()))
 
-        def launch(_stream):
-            return None
 
-        self.launch = launch
+class FakeGraphSegment:
+    """A segment launched through cuda.bindings: its launch returns ``(status,)``."""
+
+    kind = "graph"
+    argument_addresses = ()
+    result = None
+
+    def __init__(self, index, log, status=0):
+        self.index, self.name, self.log, self.status = index, f"graph {index}", log, status
+        self.streams = []
 
     def launcher(self):
-        return self.launch
+        def launch(stream):
+            self.streams.append(int(stream))
+            self.log.step(self.name)
+            return (self.status,)
+
+        return launch
 
 
-def planned(kinds, debug=False, before=None, after=None):
-    graph = bg.BreakableCUDAGraph(debug=debug)
-    graph._segments = tuple(FakeSegment(kind) for kind in kinds)
-    graph.set_replay_hooks(before, after)
-    graph._build_plan()
-    return graph, [segment.launch for segment in graph._segments]
+class FakeTorchGraph:
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def replay(self):
+        self.log.step(self.name)
 
 
-def test_autograd_goes_off_after_the_launches_ahead_of_the_first_break():
-    graph, (forward, log, backward, clip, update) = planned(["graph", "eager", "graph", "eager", "graph"])
-    assert graph._plan == (forward, _autograd_off, log, backward, clip, update)
-    assert graph._segment_of_step[backward] == 2  # a launch error names its segment
+def torch_segment(index, log):
+    return TorchGraphSegment(index, f"torch {index}", FakeTorchGraph(f"torch {index}", log), None)
 
 
-def test_a_plan_without_python_never_turns_autograd_off():
-    graph, launches = planned(["graph", "graph"])
-    assert graph._plan == tuple(launches)
+def eager_segment(index, log, captured=None, returns=None, kwargs=None):
+    def function(*args, **kwargs):
+        log.step(f"break {index}")
+        return returns(*args, **kwargs) if returns else captured
+
+    return EagerSegment(index, f"break {index}", function, (), kwargs or {}, captured, make_writer(f"break {index}", captured))
 
 
-def test_hooks_run_with_autograd_off_too():
-    graph, (first, second) = planned(["graph", "graph"], after=lambda: None)
-    assert graph._plan[:3] == (first, second, _autograd_off) and len(graph._plan) == 4
-    graph, (first, second) = planned(["graph", "eager"], before=lambda: None)
-    assert graph._plan[0] is _autograd_off and graph._plan[2:] == (first, second)
+def replay(plan, stream=0x1234):
+    plan.by_stream.get(stream) or plan.compile(stream)
+    plan.by_stream[stream]()
 
 
-def test_debug_mode_turns_autograd_off_before_its_checks():
-    graph, _ = planned(["graph", "eager", "graph"], debug=True)
-    assert graph._plan[0] is _autograd_off and _autograd_off not in graph._plan[1:]
-    assert len(graph._plan) == 5  # the argument check, then the three checked launches
+def test_launches_ahead_of_the_first_break_keep_the_callers_mode_then_autograd_is_off_until_the_end():
+    log = Log()
+    segments = [torch_segment(0, log), eager_segment(1, log), FakeGraphSegment(2, log), eager_segment(3, log, 2.5), FakeGraphSegment(4, log)]
+    with torch.enable_grad():
+        replay(ReplayPlan(segments))
+        assert torch.is_grad_enabled()
+    assert log == [("torch 0", True), ("break 1", False), ("graph 2", False), ("break 3", False), ("graph 4", False)]
 
 
-def test_the_step_turns_autograd_off():
-    with torch.enable_grad():  # which sets the mode back as it exits
-        _autograd_off(None)
-        assert not torch.is_grad_enabled()
+def test_a_plan_of_launches_alone_leaves_autograd_as_it_is():
+    log = Log()
+    with torch.enable_grad():
+        replay(ReplayPlan([FakeGraphSegment(0, log), torch_segment(1, log)]))
+    assert log == [("graph 0", True), ("torch 1", True)]
+
+
+def test_hooks_run_with_autograd_off_around_the_segments():
+    log = Log()
+    plan = ReplayPlan([FakeGraphSegment(0, log)], before=lambda: log.step("before"), after=lambda: log.step("after"))
+    with torch.enable_grad():
+        replay(plan)
+    assert log == [("before", False), ("graph 0", False), ("after", False)]
+
+
+def test_the_callers_mode_comes_back_when_a_break_raises_and_the_traceback_shows_the_step():
+    def fails():
+        raise ValueError("the break failed")
+
+    log = Log()
+    plan = ReplayPlan([FakeGraphSegment(0, log), eager_segment(1, log, returns=fails), FakeGraphSegment(2, log)])
+    with torch.enable_grad():
+        with pytest.raises(ValueError, match="the break failed") as raised:
+            replay(plan)
+        assert torch.is_grad_enabled()
+    assert log == [("graph 0", True), ("break 1", False)]  # the launch after it never ran
+    assert "function_1(*args_1)" in "".join(traceback.format_tb(raised.tb))
+
+
+def test_a_failed_launch_names_its_segment_and_stops_the_replay():
+    log = Log()
+    plan = ReplayPlan([FakeGraphSegment(0, log), FakeGraphSegment(1, log, CUDA_ERROR_INVALID_VALUE), eager_segment(2, log)])
+    with pytest.raises(bindings.CudaError, match=r"cudaGraphLaunch.*segment 1 \(graph: graph 1\)"):
+        replay(plan)
+    assert [name for name, _ in log] == ["graph 0", "graph 1"]
+
+
+def test_each_stream_gets_its_own_function_bound_to_its_handle():
+    log = Log()
+    segment = FakeGraphSegment(0, log)
+    plan = ReplayPlan([segment])
+    replay(plan, 0x10)
+    replay(plan, 0x20)
+    replay(plan, 0x10)
+    assert segment.streams == [0x10, 0x20, 0x10] and set(plan.by_stream) == {0x10, 0x20}
+
+
+def test_a_result_without_buffers_is_checked_by_type_and_a_tensor_is_written_back():
+    log = Log()
+    captured = torch.zeros(3)
+    value = eager_segment(0, log, 1.5, returns=lambda: 2.5)
+    tensor = eager_segment(1, log, captured, returns=lambda scale: torch.full((3,), scale), kwargs={"scale": 4.0})
+    replay(ReplayPlan([value, tensor]))
+    assert torch.equal(captured, torch.full((3,), 4.0)) and tensor.bytes_written == 12 and value.bytes_written == 0
+
+    wrong = eager_segment(0, log, 1.5, returns=lambda: torch.ones(1))
+    with pytest.raises(WritebackError, match="type float at capture, Tensor at replay"):
+        replay(ReplayPlan([wrong]))
+    nothing = eager_segment(0, log, None, returns=lambda: 3)
+    with pytest.raises(WritebackError, match="None at capture, int at replay"):
+        replay(ReplayPlan([nothing]))
+
+
+def test_debug_mode_turns_autograd_off_before_its_checks(monkeypatch):
+    log = Log()
+    monkeypatch.setattr(debug_mode.bindings, "synchronize", lambda stream: log.step("synchronize"))
+    segments = [FakeGraphSegment(0, log), eager_segment(1, log)]
+    with torch.enable_grad():
+        replay(ReplayPlan(segments, debug=True))
+    assert log == [("graph 0", False), ("synchronize", False), ("break 1", False), ("synchronize", False)]
