@@ -63,10 +63,6 @@ class ReplayPlan:
         replay = self.by_stream[raw_stream] = namespace["replay"]
         return replay
 
-    def launch_failed(self, index: int, error) -> None:
-        """Raise the failed launch of segment ``index`` as a :class:`CudaError` that names it."""
-        bindings.clear_last_error()
-        raise CudaError(error, "cudaGraphLaunch", debug_mode.describe(self.segments[index]))
 
 
 class _Source:
@@ -77,7 +73,9 @@ class _Source:
         self.namespace: dict[str, Any] = {
             "is_grad_enabled": torch.is_grad_enabled,
             "set_grad_enabled": torch._C._set_grad_enabled,
-            "launch_failed": plan.launch_failed,
+            # not a method of the plan: the plan holds this function, and a cycle would keep a
+            # dropped graph's memory until the garbage collector ran
+            "launch_failed": functools.partial(_launch_failed, plan.segments),
         }
         self.launches_ahead: list[str] = []  # the lines ahead of the first Python step
         self.lines = self.launches_ahead
@@ -135,6 +133,12 @@ class _Source:
         else:  # nothing to write: the writer only raises, where the type is not the captured one
             expected = self.bind(f"result_type_{index}", write.result_type)
             self.python(f"result = {call}", f"if type(result) is not {expected}:", f"    {writer}(result)")
+
+
+def _launch_failed(segments: Sequence[Segment], index: int, error) -> None:
+    """Raise the failed launch of ``segments[index]`` as a :class:`CudaError` that names it."""
+    bindings.clear_last_error()
+    raise CudaError(error, "cudaGraphLaunch", debug_mode.describe(segments[index]))
 
 
 def _indent(lines: list[str]) -> list[str]:

@@ -2,7 +2,9 @@
 steps, where autograd goes off and comes back, writeback and launch errors, one function
 per stream."""
 
+import gc
 import traceback
+import weakref
 
 import pytest
 import torch
@@ -145,3 +147,18 @@ def test_debug_mode_turns_autograd_off_before_its_checks(monkeypatch):
     with torch.enable_grad():
         replay(ReplayPlan(segments, debug=True))
     assert log == [("graph 0", False), ("synchronize", False), ("break 1", False), ("synchronize", False)]
+
+
+def test_a_dropped_plan_goes_at_once_without_the_garbage_collector():
+    """A graph's memory goes back as the graph is dropped only if nothing in its plan's
+    compiled functions refers back to the plan (a cycle waits for the collector)."""
+    log = Log()
+    plan = ReplayPlan([torch_segment(0, log), eager_segment(1, log, 2.0), FakeGraphSegment(2, log)])
+    replay(plan)
+    dropped = weakref.ref(plan)
+    gc.disable()
+    try:
+        del plan
+        assert dropped() is None
+    finally:
+        gc.enable()
