@@ -60,7 +60,9 @@ class ReplayPlan:
         filename = f"<breakgraph replay {id(self):#x} on stream {raw_stream:#x}>"
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
         exec(compile(source, filename, "exec"), namespace)
-        replay = self.by_stream[raw_stream] = namespace["replay"]
+        # Taken out of the namespace it runs in: left there, the function and its namespace
+        # would hold each other, and a dropped graph's memory would wait for the garbage collector.
+        replay = self.by_stream[raw_stream] = namespace.pop("replay")
         return replay
 
 
@@ -73,8 +75,7 @@ class _Source:
         self.namespace: dict[str, Any] = {
             "is_grad_enabled": torch.is_grad_enabled,
             "set_grad_enabled": torch._C._set_grad_enabled,
-            # not a method of the plan: the plan holds this function, and a cycle would keep a
-            # dropped graph's memory until the garbage collector ran
+            # not a method of the plan, which holds the function: no cycle (see compile)
             "launch_failed": functools.partial(_launch_failed, plan.segments),
         }
         self.launches_ahead: list[str] = []  # the lines ahead of the first Python step

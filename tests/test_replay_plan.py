@@ -150,15 +150,16 @@ def test_debug_mode_turns_autograd_off_before_its_checks(monkeypatch):
 
 
 def test_a_dropped_plan_goes_at_once_without_the_garbage_collector():
-    """A graph's memory goes back as the graph is dropped only if nothing in its plan's
-    compiled functions refers back to the plan (a cycle waits for the collector)."""
+    """A graph's memory goes back as the graph is dropped only if its plan and what the plan's
+    functions hold (the torch graphs) go at once: a cycle among them waits for the collector."""
     log = Log()
-    plan = ReplayPlan([torch_segment(0, log), eager_segment(1, log, 2.0), FakeGraphSegment(2, log)])
+    segment = torch_segment(0, log)
+    plan = ReplayPlan([segment, eager_segment(1, log, 2.0), FakeGraphSegment(2, log)])
     replay(plan)
-    dropped = weakref.ref(plan)
+    dropped = [weakref.ref(plan), weakref.ref(segment.capture)]
     gc.disable()
     try:
-        del plan
-        assert dropped() is None
+        del plan, segment
+        assert [ref() for ref in dropped] == [None, None]
     finally:
         gc.enable()
