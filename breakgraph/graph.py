@@ -13,6 +13,7 @@ afterwards is a tuple of segments and the replay plan built from them
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -218,8 +219,11 @@ class BreakableCUDAGraph:
             raise RuntimeError(f"{what} needs a captured graph: capture it first")
 
     def _build_plan(self) -> None:
-        """The replay plan: the hooks this graph has, its segments, debug mode's checks if on."""
-        self._plan = ReplayPlan(self._segments, self._before_replay, self._after_replay, self.debug, lambda: self.check_finite)
+        """The replay plan: the hooks this graph has, its segments, debug mode's checks if on.
+        It refers to the graph weakly: a graph and its plan holding each other would keep a
+        dropped graph's memory until the garbage collector ran."""
+        graph = weakref.ref(self)
+        self._plan = ReplayPlan(self._segments, self._before_replay, self._after_replay, self.debug, lambda: graph().check_finite)
 
     # -- replay -------------------------------------------------------------------------
     def replay(self) -> None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import breakgraph_bindings as bindings
+import breakgraph as bg
 from breakgraph import debug as debug_mode
 from breakgraph.plan import ReplayPlan
 from breakgraph.segments import EagerSegment, TorchGraphSegment
@@ -161,5 +162,21 @@ def test_a_dropped_plan_goes_at_once_without_the_garbage_collector():
     try:
         del plan, segment
         assert [ref() for ref in dropped] == [None, None]
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_dropped_graph_and_its_compiled_plan_go_at_once_without_the_garbage_collector(debug):
+    log = Log()
+    graph = bg.BreakableCUDAGraph(debug=debug)
+    graph._segments = (torch_segment(0, log), FakeGraphSegment(1, log))
+    graph._build_plan()
+    graph._plan.compile(0x10)
+    dropped = weakref.ref(graph)
+    gc.disable()
+    try:
+        del graph
+        assert dropped() is None
     finally:
         gc.enable()
