@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import linecache
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -55,10 +56,12 @@ class ReplayPlan:
 
     def compile(self, raw_stream: int) -> Callable[[], None]:
         """Write the replay function for ``raw_stream``, keep it in ``by_stream`` and return it.
-        Its source is registered with ``linecache``, so a traceback through it shows its lines."""
+        Its source is registered with ``linecache`` as long as the plan lives, so a traceback
+        through it shows its lines."""
         source, namespace = _Source(self, bindings.stream_handle(raw_stream)).write()
         filename = f"<breakgraph replay {id(self):#x} on stream {raw_stream:#x}>"
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        weakref.finalize(self, linecache.cache.pop, filename, None)
         exec(compile(source, filename, "exec"), namespace)
         # Taken out of the namespace it runs in: left there, the function and its namespace
         # would hold each other, and a dropped graph's memory would wait for the garbage collector.

@@ -3,6 +3,7 @@ steps, where autograd goes off and comes back, writeback and launch errors, one 
 per stream."""
 
 import gc
+import linecache
 import traceback
 import weakref
 
@@ -158,12 +159,14 @@ def test_a_dropped_plan_goes_at_once_without_the_garbage_collector():
     plan = ReplayPlan([segment, eager_segment(1, log, 2.0), FakeGraphSegment(2, log)])
     replay(plan)
     dropped = [weakref.ref(plan), weakref.ref(segment.capture)]
+    sources = [name for name in linecache.cache if name.startswith(f"<breakgraph replay {id(plan):#x} ")]
     gc.disable()
     try:
         del plan, segment
         assert [ref() for ref in dropped] == [None, None]
     finally:
         gc.enable()
+    assert len(sources) == 1 and sources[0] not in linecache.cache  # its source went with it
 
 
 @pytest.mark.parametrize("debug", [False, True])
