@@ -66,8 +66,8 @@ def eager_segment(index, log, captured=None, returns=None, kwargs=None):
 
 
 def replay(plan, stream=0x1234):
-    plan.by_stream.get(stream) or plan.compile(stream)
-    plan.by_stream[stream]()
+    """What ``BreakableCUDAGraph.replay`` does with its plan on ``stream``."""
+    (plan.by_stream.get(stream) or plan.compile(stream))()
 
 
 def test_launches_ahead_of_the_first_break_keep_the_callers_mode_then_autograd_is_off_until_the_end():
