@@ -47,6 +47,8 @@ class BreakableCUDAGraph:
         self._segments: tuple[Segment, ...] = ()
         self._pool = None if pool is None else OwnedPool(pool)
         self._plan: ReplayPlan | None = None
+        self._replays: dict[int, Callable[[], None]] = {}  # the plan's by_stream: replay's one lookup
+        self._current_stream: Callable[[], int | None] = _no_stream  # the raw stream replay runs on
         self.debug = debug  # None: BREAKGRAPH_DEBUG decides
         self.check_finite = False
         self._before_replay = self._after_replay = None
@@ -156,6 +158,7 @@ class BreakableCUDAGraph:
             raise
         self._segments = recording.segments
         self._device = recording.device
+        self._current_stream = functools.partial(torch._C._cuda_getCurrentRawStream, recording.device.index)
         self._build_plan()
 
     def capture_abort(self) -> None:
@@ -192,7 +195,8 @@ class BreakableCUDAGraph:
         self._require_captured("release_executables")
         for segment in self._graph_segments():
             segment.drop_executable()
-        self._plan, self._released = None, True
+        self._use_plan(None)
+        self._released = True
 
     def restore_executables(self) -> None:
         """Instantiate the segments kept by :meth:`release_executables` again; replays are
@@ -223,21 +227,31 @@ class BreakableCUDAGraph:
         It refers to the graph weakly: a graph and its plan holding each other would keep a
         dropped graph's memory until the garbage collector ran."""
         graph = weakref.ref(self)
-        self._plan = ReplayPlan(self._segments, self._before_replay, self._after_replay, self.debug, lambda: graph().check_finite)
+        self._use_plan(ReplayPlan(self._segments, self._before_replay, self._after_replay, self.debug, lambda: graph().check_finite))
+
+    def _use_plan(self, plan: ReplayPlan | None) -> None:
+        """Replay by ``plan`` from now on (None: replay raises); the functions of the plan before go."""
+        self._plan = plan
+        self._replays = {} if plan is None else plan.by_stream
 
     # -- replay -------------------------------------------------------------------------
     def replay(self) -> None:
         """Launch every segment and run every break, in capture order, on the current stream."""
+        # The first replay on a stream writes its function; later ones find it by one lookup.
+        # A step bound by the host waits for this method before its first launch: each
+        # attribute it reads and each call it makes is paid on every replay.
+        replay = self._replays.get(self._current_stream())
+        if replay is None:
+            replay = self._first_replay_on_current_stream()
+        replay()
+
+    def _first_replay_on_current_stream(self) -> Callable[[], None]:
         plan = self._plan
         if plan is None:
             if self._released:
                 raise RuntimeError("this graph's executables were released (release_executables()): call restore_executables() first")
             raise RuntimeError("this BreakableCUDAGraph holds no capture: capture it with BreakableCUDAGraphCapture first")
-        stream = torch._C._cuda_getCurrentRawStream(self._device.index)
-        replay = plan.by_stream.get(stream)
-        if replay is None:
-            replay = plan.compile(stream)
-        replay()
+        return plan.compile(self._current_stream())
 
     # -- lifecycle ----------------------------------------------------------------------
     def reset(self) -> None:
@@ -246,7 +260,8 @@ class BreakableCUDAGraph:
         for segment in self._segments:
             segment.release()
         self._segments = ()
-        self._plan, self._released = None, False
+        self._use_plan(None)
+        self._released = False
 
     @property
     def debug(self) -> bool:
@@ -273,3 +288,8 @@ def check_replay_hooks(before, after) -> None:
 @functools.cache
 def _default_stream_handle(device_index: int) -> int:
     return torch.cuda.default_stream(device_index).cuda_stream
+
+
+def _no_stream() -> None:
+    """The current stream of a graph not captured yet: no stream has a replay function."""
+    return None

@@ -69,7 +69,6 @@ class ReplayPlan:
         return replay
 
 
-
 class _Source:
     """The source of one plan's replay function on one stream, and the names it binds."""
 

@@ -44,6 +44,9 @@ class FakeGraphSegment:
 
         return launch
 
+    def drop_executable(self):
+        self.log.step(f"{self.name} dropped")
+
 
 class FakeTorchGraph:
     def __init__(self, name, log):
@@ -68,6 +71,33 @@ def eager_segment(index, log, captured=None, returns=None, kwargs=None):
 def replay(plan, stream=0x1234):
     """What ``BreakableCUDAGraph.replay`` does with its plan on ``stream``."""
     (plan.by_stream.get(stream) or plan.compile(stream))()
+
+
+def test_graph_replay_runs_the_function_written_for_the_current_stream_and_none_of_a_plan_gone():
+    log, current = Log(), [0x10]
+    graph = bg.BreakableCUDAGraph()
+    graph._segments = (FakeGraphSegment(0, log), eager_segment(1, log), FakeGraphSegment(2, log))
+    graph._current_stream = lambda: current[0]  # what capture binds: torch's current stream
+    graph._build_plan()
+    graph.replay()
+    current[0] = 0x20
+    graph.replay()
+    graph.replay()
+    assert graph.segments[2].streams == [0x10, 0x20, 0x20] and set(graph._plan.by_stream) == {0x10, 0x20}
+    hooks = []
+    graph.set_replay_hooks(before=lambda: hooks.append("before"))  # a new plan, its functions written anew
+    graph.replay()
+    assert hooks == ["before"] and graph.segments[2].streams[-1] == 0x20
+    graph.release_executables()
+    del log[:]
+    with pytest.raises(RuntimeError, match="released"):
+        graph.replay()
+    assert log == []  # nothing launched: the functions of the plan before went with it
+
+
+def test_replay_before_capture_says_so_without_asking_cuda_for_a_stream():
+    with pytest.raises(RuntimeError, match="holds no capture"):
+        bg.BreakableCUDAGraph().replay()
 
 
 def test_launches_ahead_of_the_first_break_keep_the_callers_mode_then_autograd_is_off_until_the_end():
