@@ -151,10 +151,13 @@ def test_the_capturable_variant_attends_as_the_eager_break():
 
 def test_end_tokens_pad_the_rest_and_stop_generation_as_transformers_does(model):
     gen = generator(model, max_batch_size=4)
-    ids = torch.randint(0, 300, (2, 6))
+    ids = torch.randint(0, 299, (2, 6))
+    ids[0, 2] = 299  # the pad token inside a prompt is a token: a mask says what is padding
     free = transformers_eager_generate(model, ids, 30)
     end = int(free[1, 6 + 3])  # row 1's fourth new token ends it
-    expected = model.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=end, pad_token_id=299)
+    # Without a mask, transformers would infer one from the pad tokens in the prompt.
+    mask = torch.ones_like(ids)
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=end, pad_token_id=299)
     got, logits = gen.generate(ids, 30, eos_token_id=end, pad_token_id=299, return_logits=True)
     assert torch.equal(got, expected)
     assert logits.shape == (2, got.shape[1] - 6, 300)

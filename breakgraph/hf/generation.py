@@ -361,7 +361,8 @@ class Generator:
             input_ids (torch.Tensor): ``(n, T)`` prompts, left-padded where ``attention_mask`` says
                 (as transformers' tokenizers pad for generation); ``n`` at most ``max_batch_size``.
             max_new_tokens (int): new tokens per row, at most; ``T + max_new_tokens`` at most ``max_length``.
-            attention_mask (torch.Tensor, optional): ``(n, T)``, zeros (padding) then ones per row.
+            attention_mask (torch.Tensor, optional): ``(n, T)``, zeros (padding) then ones per row;
+                without it every token counts, pad tokens too (transformers would infer a mask).
             eos_token_id (int or sequence of int, optional): the end tokens; by default the model's
                 generation config's; ``()`` for none. A row that produced one is padded from then
                 on, and generation stops once every row has (checked every ``STOP_CHECK_STEPS``
