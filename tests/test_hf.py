@@ -156,8 +156,7 @@ def test_end_tokens_pad_the_rest_and_stop_generation_as_transformers_does(model)
     free = transformers_eager_generate(model, ids, 30)
     end = int(free[1, 6 + 3])  # row 1's fourth new token ends it
     # Without a mask, transformers would infer one from the pad tokens in the prompt.
-    mask = torch.ones_like(ids)
-    expected = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=end, pad_token_id=299)
+    expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False, eos_token_id=end, pad_token_id=299)
     got, logits = gen.generate(ids, 30, eos_token_id=end, pad_token_id=299, return_logits=True)
     assert torch.equal(got, expected)
     assert logits.shape == (2, got.shape[1] - 6, 300)
