@@ -104,6 +104,16 @@ class StaticInputs:
                 raise ValueError(f"input {index}: dtype {live.dtype}, static buffer has {static.dtype}")
         return lives
 
+    def padded(self, inputs, rows: int, pad_value: float):
+        """``inputs`` (shaped like the buffers) with ``pad_value`` rows added up to ``rows``:
+        new tensors, for a batch run eagerly at the size every rank runs."""
+
+        def pad(tensor: torch.Tensor) -> torch.Tensor:
+            extra = tensor.new_full((rows - tensor.shape[0], *tensor.shape[1:]), pad_value)
+            return torch.cat([tensor, extra])
+
+        return trees.map_tensors(pad, inputs)
+
     def fill(self, live: list[torch.Tensor], size: int, pad_value: float) -> None:
         """Copy ``live`` into the first rows and pad the rest up to ``size``."""
         n = live[0].shape[0]

@@ -205,3 +205,28 @@ class CaptureDispatchMode(TorchDispatchMode):
             if is_capture_violation(error):
                 raise uncapturable(str(func), error) from error
             raise
+
+
+# Ops of torch.distributed that issue no collective of their own: the end of one, and a wrapper.
+_NOT_COLLECTIVES = {"_c10d_functional::wait_tensor", "_c10d_functional::_wrap_tensor_autograd"}
+
+
+class BarrierBeforeCollectives(TorchDispatchMode):
+    """Calls ``barrier`` before each collective an eager break issues at capture (``barrier_fn``).
+
+    A break's collectives run for real at capture. Were a rank's break to fail
+    before its collective, the other ranks' copy of it would wait on their GPUs
+    for a partner that never comes, and their next collective would pair with
+    the wrong one. The barrier before each collective tells every rank of the
+    failure first, so that no rank issues it.
+    """
+
+    def __init__(self, barrier):
+        super().__init__()
+        self.barrier = barrier
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        if name.startswith(("c10d::", "_c10d_functional::")) and name not in _NOT_COLLECTIVES:
+            self.barrier()
+        return func(*args, **(kwargs or {}))

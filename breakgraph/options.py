@@ -89,8 +89,9 @@ class CaptureOptions(_CaptureChoices):
             graph; "inline": one full graph, each ``@eager_on_graph`` function
             recording its capturable variant.
         barrier_fn (callable, optional): called after a segment ends and before
-            each break runs, and once at the end, so tensor-parallel ranks stay
-            in step during capture. Default: None.
+            each break runs, before each collective a break issues, and once at
+            the end, so tensor-parallel ranks stay in step during capture
+            (``CaptureAgreement.barrier``). Default: None.
         measure_memory (bool, optional): measure each segment executable's
             device memory (``cudaMemGetInfo`` around its instantiation).
             Default: False, since it costs start-up time.
@@ -133,6 +134,20 @@ class RunnerOptions(_CaptureChoices):
         share_executables (bool, optional): keep one executable per segment and
             topology for all sizes of a key (``cudaGraphExecUpdate``), for less
             device memory. Default: False.
+        group (torch.distributed.ProcessGroup, optional): the tensor-parallel ranks
+            this runner serves with. Every rank then keeps each capture or none
+            does, warms up and retries together, pads to the largest batch of any
+            rank, and runs eagerly together (docs/multi-gpu.md). Every rank of the
+            group makes its runner, with the same sizes and keys, in the same
+            order. Default: None (one rank). Not with ``barrier_fn``.
+        peer_timeout (float, optional): with ``group``, seconds an exchange
+            between the ranks waits for a silent peer before it raises
+            :class:`~breakgraph.PeerCaptureError` (a peer whose process is gone
+            is noticed sooner). Default: 300.
+        agree_batches (bool, optional): with ``group``, agree on every call's batch
+            size and key (one host round trip between the ranks). False where the
+            ranks are known to get the same batch, as tensor-parallel ranks fed by
+            one scheduler do. Default: True.
     """
 
     pad_value: int | float = 0
@@ -146,11 +161,14 @@ class RunnerOptions(_CaptureChoices):
     after_replay: Callable[[], Any] | None = None
     on_capture_error: str = "raise"
     share_executables: bool = False
+    group: Any = None
+    peer_timeout: float = 300.0
+    agree_batches: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require_number("pad_value", self.pad_value)
-        for name in ("clone", "lazy", "progress", "share_executables"):
+        for name in ("clone", "lazy", "progress", "share_executables", "agree_batches"):
             require_bool(name, getattr(self, name))
         require_optional_bool("debug", self.debug, "BREAKGRAPH_DEBUG=1 decides")
         parse_warmup(self.warmup, allow_auto=True)
@@ -161,16 +179,38 @@ class RunnerOptions(_CaptureChoices):
         require_callable("before_replay", self.before_replay)
         require_callable("after_replay", self.after_replay)
         require_choice("on_capture_error", self.on_capture_error, ("raise", "eager"))
+        _require_group(self.group)
+        if self.group is not None and self.barrier_fn is not None:
+            raise ValueError(
+                "give group= or barrier_fn=, not both: with group= the runner's ranks agree at every barrier "
+                "themselves (a barrier_fn of your own would pair with no peer's)"
+            )
+        if require_number("peer_timeout", self.peer_timeout) <= 0:
+            raise ValueError(f"peer_timeout must be a number of seconds > 0, got {self.peer_timeout!r}")
 
-    def capture(self, breaks: str, measure_memory: bool) -> CaptureOptions:
+    def capture(self, breaks: str, measure_memory: bool, barrier_fn: Callable[[], Any] | None = None) -> CaptureOptions:
         """The options of one size's capture.
 
         Arguments:
             breaks (str): "eager" or "inline", from the key's mode.
             measure_memory (bool): whether this capture measures its executables.
+            barrier_fn (callable, optional): the ranks' barrier (``group``); default: the runner's ``barrier_fn``.
         """
         shared = {name: getattr(self, name) for name in _CaptureChoices.names()}
+        if barrier_fn is not None:
+            shared["barrier_fn"] = barrier_fn
         return CaptureOptions(**{**shared, "breaks": breaks, "measure_memory": measure_memory})
+
+
+def _require_group(group: Any) -> None:
+    """A torch.distributed process group, or None."""
+    if group is None:
+        return
+    if not torch.distributed.is_available() or not isinstance(group, torch.distributed.ProcessGroup):
+        raise TypeError(
+            f"group must be a torch.distributed ProcessGroup (the model's tensor-parallel group, or "
+            f"torch.distributed.group.WORLD), got {type(group).__name__}"
+        )
 
 
 def parse_modes(modes: str | dict, keys: list) -> dict:

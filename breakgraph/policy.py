@@ -13,6 +13,8 @@ from breakgraph.batches import StaticInputs
 from breakgraph.dispatch import UncapturableOpError, is_capture_invalidated, is_capture_violation
 from breakgraph.graphed import GraphedCallable
 from breakgraph.options import RunnerOptions
+from breakgraph.rank_group import GIVE_UP, KEEP, RETRY, RankGroup
+from breakgraph.ranks import PeerCaptureError
 
 log = logging.getLogger("breakgraph.runner")
 
@@ -27,7 +29,8 @@ class CapturePolicy:
     initialisation inside a capture fails is warmed up once and captured
     again. An int warms up that many times before every size. With
     ``on_capture_error="eager"`` a failed size is remembered and served
-    eagerly.
+    eagerly. With ``ranks`` every rank does each of these together: a capture
+    is kept on every rank or raised on every rank, and a retry is agreed.
     """
 
     def __init__(
@@ -36,8 +39,10 @@ class CapturePolicy:
         inputs: StaticInputs,
         modes: dict[Hashable, str],
         options: RunnerOptions,
+        ranks: RankGroup | None = None,
     ):
-        self.fn, self.inputs, self.modes, self.options = fn, inputs, modes, options
+        self.fn, self.inputs, self.modes, self.options, self.ranks = fn, inputs, modes, options, ranks
+        self._tags = {key: index << 32 for index, key in enumerate(modes)}  # what ranks agree they capture
         self.debug = runtime.debug_requested(options.debug)
         self.graphed: dict[KeySize, GraphedCallable] = {}
         self.failed: dict[KeySize, str] = {}
@@ -100,7 +105,7 @@ class CapturePolicy:
         try:
             graphed = self._graphed_at(key, size, 1 if first_of_key else 0, pool, measure)
         except Exception as error:
-            if first_of_key or not (isinstance(error, UncapturableOpError) or is_capture_violation(error) or is_capture_invalidated(error)):
+            if not self._retry(error, may_retry=not first_of_key):
                 raise
             log.info("capture of size %d failed without warm-up (%s): warming up and capturing again", size, error)
             graphed = self._graphed_at(key, size, 1, pool, measure)
@@ -109,10 +114,32 @@ class CapturePolicy:
             self.warmed_up.add((key, size))
         return graphed
 
+    def _retry(self, error: Exception, may_retry: bool) -> bool:
+        """Whether a failed capture is warmed up and made again: a failure the way lazy
+        initialisation inside a capture fails, at a size that was not warmed up; with
+        ``ranks``, on every rank when some rank's failure is that and none's is worse."""
+        retryable = may_retry and (
+            isinstance(error, UncapturableOpError) or is_capture_violation(error) or is_capture_invalidated(error)
+        )
+        if self.ranks is None:
+            return retryable
+        if isinstance(error, PeerCaptureError):  # a peer's failure: that peer's report decides
+            return not error.lost and self.ranks.retry_together(KEEP)
+        return self.ranks.retry_together(RETRY if retryable else GIVE_UP)
+
     def _graphed_at(self, key: Hashable, size: int, warmup: int, pool, measure: bool) -> GraphedCallable:
+        if self.ranks is None:
+            return self._graphed_with(None, key, size, warmup, pool, measure)
+        return self.ranks.capture(
+            self._tags[key] + size,
+            lambda barrier: self._graphed_with(barrier, key, size, warmup, pool, measure),
+            discard=lambda graphed: graphed.graph.reset(),
+        )
+
+    def _graphed_with(self, barrier, key: Hashable, size: int, warmup: int, pool, measure: bool) -> GraphedCallable:
         args, kwargs = self.arguments(self.inputs.views(size), key)
         breaks = "inline" if self.modes[key] == "full" else "eager"
-        options = self.options.capture(breaks, measure)
+        options = self.options.capture(breaks, measure, barrier)
         graphed = GraphedCallable(
             self.fn, args, kwargs, options, debug=self.debug, pool=pool, warmup=warmup, warn=False,
             draws_random_numbers=self.draws.get(key),

@@ -29,13 +29,27 @@ class PeerCaptureError(RuntimeError):
 
     ``ranks`` are the ranks (within the process group) whose capture failed; their own
     errors say why. ``out_of_step`` is True when no rank failed but the ranks reached
-    the end after different numbers of breaks, or with different tags.
+    the end after different numbers of breaks, or with different tags. ``lost`` is True
+    when an exchange itself failed: a peer's process is gone, or a peer stayed silent
+    past the exchange group's timeout; the error's cause is the process group's.
     """
 
-    def __init__(self, message: str, ranks: Sequence[int] = (), out_of_step: bool = False):
+    def __init__(self, message: str, ranks: Sequence[int] = (), out_of_step: bool = False, lost: bool = False):
         super().__init__(message)
         self.ranks = tuple(ranks)
         self.out_of_step = out_of_step
+        self.lost = lost
+
+
+def peers_lost(timeout: float | None = None, where: str = "") -> PeerCaptureError:
+    """The error of an exchange that failed: a peer's process is gone, or it stayed silent."""
+    silent = "the exchange group's timeout" if timeout is None else f"{timeout:g} s (peer_timeout)"
+    return PeerCaptureError(
+        f"an exchange with the other ranks failed{where}: a peer rank's process is gone, or it did not answer "
+        f"within {silent}. The ranks are out of step for good: end the job (or make a new process group) and "
+        "look for the rank that stopped, whose own error or exit says why.",
+        lost=True,
+    )
 
 
 class _Step(IntEnum):
@@ -132,7 +146,10 @@ class CaptureAgreement:
         if self._settled or self._interrupted:  # every rank already knows how this capture ends, or cannot
             return
         if error is not None:
-            self._exchange(_Step.FAILED)  # the others learn it at their next exchange
+            try:
+                self._exchange(_Step.FAILED)  # the others learn it at their next exchange
+            except PeerCaptureError:
+                pass  # the peers are gone: this rank's own error says more
             return
         try:
             self._raise_unless_agreed(self._exchange(_Step.END))
@@ -179,7 +196,10 @@ class CaptureAgreement:
         # From here this rank may have joined the collective: if it cannot read the result,
         # it must not exchange again in this capture (the others will not).
         self._interrupted = True
-        dist.all_reduce(table, op=dist.ReduceOp.SUM, group=self.group)
+        try:
+            dist.all_reduce(table, op=dist.ReduceOp.SUM, group=self.group)
+        except RuntimeError as error:  # torch.distributed's errors (a closed connection, a timeout)
+            raise peers_lost() from error
         reports = [(reported, tag if present else None) for reported, tag, present in table.cpu().tolist()]
         self.exchanges += 1
         self._settled = step != _Step.BARRIER or len(set(reports)) > 1

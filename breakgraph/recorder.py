@@ -19,7 +19,7 @@ import torch
 import breakgraph_bindings as bindings
 from breakgraph import context, rng, runtime, streams
 from breakgraph.breaks import record_break, warn_kept_allocations
-from breakgraph.dispatch import CaptureDispatchMode, UncapturableOpError, is_capture_violation
+from breakgraph.dispatch import BarrierBeforeCollectives, CaptureDispatchMode, UncapturableOpError, is_capture_violation
 from breakgraph.naming import function_name
 from breakgraph.options import CaptureOptions
 from breakgraph.pool import PoolUsage, captures_running
@@ -145,14 +145,16 @@ class Recorder:
         if self.barrier is not None:
             self.barrier()
         before = None
-        if self.record_addresses:  # debug mode also watches what the break allocates
-            before, saved = PoolUsage.of(self.pool), []
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-                result = (stub or function)(*args, **kwargs)
-            after = PoolUsage.of(self.pool)
-            warn_kept_allocations(name, before.allocated_blocks(), after.allocated_blocks(), (result, saved))
-        else:
-            result = (stub or function)(*args, **kwargs)
+        run = stub or function
+        with contextlib.nullcontext() if self.barrier is None else BarrierBeforeCollectives(self.barrier):
+            if self.record_addresses:  # debug mode also watches what the break allocates
+                before, saved = PoolUsage.of(self.pool), []
+                with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+                    result = run(*args, **kwargs)
+                after = PoolUsage.of(self.pool)
+                warn_kept_allocations(name, before.allocated_blocks(), after.allocated_blocks(), (result, saved))
+            else:
+                result = run(*args, **kwargs)
         self.segments.append(record_break(len(self.segments), name, function, args, kwargs, result, before))
         self._previous = call
         self.begin_segment()

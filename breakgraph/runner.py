@@ -17,6 +17,7 @@ from breakgraph.memory import RunnerMemory
 from breakgraph.naming import function_name
 from breakgraph.options import RunnerOptions, parse_modes
 from breakgraph.policy import CapturePolicy
+from breakgraph.rank_group import RankGroup
 from breakgraph.sharing import Refusal
 from breakgraph.sizes import choose_size, default_capture_sizes, validate_capture_sizes
 
@@ -39,6 +40,12 @@ class GraphRunner:
     graph per key and size, ``fn`` receiving ``key=`` as a keyword, and
     ``key_fn(*inputs)`` returning the keys that may serve a batch, most
     preferred first; the first key with a captured size that fits wins.
+
+    ``group`` makes the runner one of several tensor-parallel ranks: each
+    capture is kept on every rank or on none, every call is padded to the
+    largest batch of any rank, and every rank replays the same graph or runs
+    eagerly (``ranks`` is then the :class:`~breakgraph.rank_group.RankGroup`
+    they agree through). Every rank makes its runner and calls it alike.
 
     Arguments:
         fn (callable): the step to capture.
@@ -79,7 +86,9 @@ class GraphRunner:
         self.sizes_by_key = _sizes_by_key(capture_sizes, self.keys, self.modes, self.max_size)
         self.eager_reason = runtime.eager_fallback_reason()
         self.inputs.refuse_meta()
-        self._policy = CapturePolicy(fn, self.inputs, self.modes, self.options)
+        group = self.options.group
+        self.ranks = None if group is None else RankGroup(group, self.options.peer_timeout)
+        self._policy = CapturePolicy(fn, self.inputs, self.modes, self.options, self.ranks)
         self._memory = RunnerMemory(self._policy, self.keys, self.options.share_executables)
         self._logged_eager = False
         if self.eager_reason is not None:
@@ -149,37 +158,50 @@ class GraphRunner:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run a live batch (shaped like the static inputs but for dimension 0) through the
-        graph of the smallest captured size that fits, or eagerly above the largest."""
+        graph of the smallest captured size that fits, or eagerly above the largest; with
+        ``group``, the size that fits the largest batch of any rank."""
         inputs = self.inputs.live(args, kwargs)
         live = self.inputs.check(inputs)
         n = live[0].shape[0]
         candidates = self._candidates(inputs)
+        rows = self._rows_of_every_rank(n, candidates[0])
         if self._memory.released is not None:
             if self._memory.while_released == "raise":
                 raise RuntimeError("this GraphRunner's graphs are released (runner.release()): call runner.restore() first")
-            return self._run_eagerly(inputs, candidates[0])
+            return self._run_eagerly(inputs, candidates[0], n, rows)
         if self.eager_reason is None and self.pool is None:
             self.capture()
-        chosen = None if self.eager_reason is not None else self.select(n, candidates)
+        chosen = None if self.eager_reason is not None else self.select(rows, candidates)
         if chosen is None:
             if self.eager_reason is None and not self._logged_eager:
-                log.debug("batch of %d rows fits no captured size: running eagerly", n)
+                log.debug("batch of %d rows fits no captured size: running eagerly", rows)
                 self._logged_eager = True
-            return self._run_eagerly(inputs, candidates[0])
+            return self._run_eagerly(inputs, candidates[0], n, rows)
         key, size = chosen
         self.inputs.fill(live, size, self.options.pad_value)
         graphed = self._policy.graphed.get((key, size))
         if graphed is None and not self._policy.done(key, size):  # lazy: captured on first use
             graphed = self._policy.capture_on_first_use(key, size, self.pool, after=self._memory.share_among_sizes)
         if graphed is None:  # its capture failed: the same padded buffers, eagerly
-            output = self._run_eagerly(self.inputs.views(size), key)
+            output = self._run_eagerly(self.inputs.views(size), key, size, size)
         else:
             output = graphed.replay()
         return live_rows(output, size, n, self.options.clone)
 
-    def _run_eagerly(self, inputs: Any, key: Hashable) -> Any:
+    def _rows_of_every_rank(self, n: int, key: Hashable) -> int:
+        """``n``, or with ``group`` (and ``agree_batches``) the largest batch of any rank."""
+        if self.ranks is None or not self.options.agree_batches:
+            return n
+        return self.ranks.dispatch(n, self.keys.index(key))
+
+    def _run_eagerly(self, inputs: Any, key: Hashable, n: int, rows: int) -> Any:
+        """``fn`` on ``inputs`` padded from ``n`` to ``rows`` rows (so that every rank's
+        collectives see the same shapes), cut back to ``n``."""
+        if rows > n:
+            inputs = self.inputs.padded(inputs, rows, self.options.pad_value)
         args, kwargs = self._policy.arguments(inputs, key)
-        return self.fn(*args, **kwargs)
+        output = self.fn(*args, **kwargs)
+        return live_rows(output, rows, n, clone=False) if rows > n else output
 
     def _candidates(self, inputs: Any) -> list[Hashable]:
         if self.key_fn is None:

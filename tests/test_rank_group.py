@@ -1,0 +1,143 @@
+"""A runner's ranks (group=), on CPU processes over gloo: what they agree on, and a lost peer.
+
+Without a GPU a runner runs its function eagerly, so these check the parts
+that need no graph: every call padded to the largest batch of any rank, the
+same key on every rank, one agreement for a call's shape, a broadcast, the
+barrier before a break's collectives, and a peer whose process is gone.
+"""
+
+import json
+import os
+import time
+import warnings
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import breakgraph as bg
+from breakgraph.dispatch import BarrierBeforeCollectives
+from breakgraph.rank_group import GIVE_UP, KEEP, RETRY, RankGroup
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch has no torch.distributed")
+
+WORLD = 3
+
+
+def _join(rank: int, store: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=30))
+
+
+def _summed_rows(x: torch.Tensor) -> torch.Tensor:
+    """A row-wise step whose collective needs every rank's batch to have the same rows."""
+    y = x * 2
+    dist.all_reduce(y)
+    return y
+
+
+def _agreeing_ranks(rank: int, store: str, results: str) -> None:
+    _join(rank, store)
+    outcome = {}
+    ranks = RankGroup(None, timeout=30)
+    outcome["dispatch"] = ranks.dispatch([3, 7, 1][rank], key_index=1)
+    try:
+        ranks.dispatch(2, key_index=rank % 2)
+    except ValueError as error:
+        outcome["keys"] = str(error)
+    ranks.same([4, 5], "the call")
+    try:
+        ranks.same([4, rank], "the call")
+    except ValueError as error:
+        outcome["same"] = str(error)
+    outcome["retry"] = [ranks.retry_together(report) for report in ([KEEP, RETRY, KEEP][rank], [RETRY, GIVE_UP, KEEP][rank], KEEP)]
+    outcome["broadcast"] = ranks.broadcast(torch.tensor([rank, 10 + rank])).tolist()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no GPU: the runner runs eagerly, and says so
+        runner = bg.GraphRunner(_summed_rows, torch.zeros(8, 2), [2, 4, 8], group=dist.group.WORLD, progress=False)
+    rows = [1, 6, 11][rank]  # above the largest size on rank 2: every rank pads to 11 rows
+    x = torch.arange(rows * 2, dtype=torch.float32).view(rows, 2) + rank
+    y = runner(x)
+    outcome["runner_rows"] = list(y.shape)
+    padded = torch.zeros(11, 2)
+    padded[:rows] = x
+    expected = _summed_rows(padded)[:rows]
+    outcome["runner_matches"] = torch.equal(y, expected)
+
+    barriers = []
+    with BarrierBeforeCollectives(lambda: barriers.append("barrier")):
+        z = torch.ones(2)
+        dist.all_reduce(z)
+        barriers.append("all_reduce")
+        waited = dist._functional_collectives.all_reduce(z, "sum", dist.group.WORLD) + 1  # issue, then wait
+        barriers.append("functional")
+    outcome["barriers"] = barriers
+    outcome["functional"] = waited.tolist()
+    with open(os.path.join(results, f"{rank}.json"), "w") as out:
+        json.dump(outcome, out)
+    dist.destroy_process_group()
+
+
+def _run(tmp_path, target, world=WORLD) -> list[dict]:
+    store, results = tmp_path / "store", tmp_path / "results"
+    results.mkdir()
+    mp.spawn(target, args=(str(store), str(results)), nprocs=world, join=True)
+    return [json.loads((results / f"{rank}.json").read_text()) for rank in range(world)]
+
+
+def test_ranks_agree_on_batch_key_call_retry_and_state(tmp_path):
+    for rank, outcome in enumerate(_run(tmp_path, _agreeing_ranks)):
+        assert outcome["dispatch"] == 7
+        assert "chose different keys" in outcome["keys"]
+        assert "disagree on the call" in outcome["same"]
+        assert outcome["retry"] == [True, False, False], rank
+        assert outcome["broadcast"] == [0, 10]
+        assert outcome["runner_rows"] == [[1, 6, 11][rank], 2]
+        assert outcome["runner_matches"], rank
+        assert outcome["barriers"] == ["barrier", "all_reduce", "barrier", "functional"]
+        assert outcome["functional"] == [WORLD * WORLD + 1] * 2
+
+
+def _losing_a_peer(rank: int, store: str, results: str) -> None:
+    _join(rank, store)
+    ranks = RankGroup(None, timeout=20)
+    if rank == 1:
+        os._exit(0)  # gone without a word, mid-job
+    started = time.monotonic()
+    try:
+        ranks.dispatch(1, 0)
+        outcome = {"raised": None}
+    except bg.PeerCaptureError as error:
+        outcome = {"raised": str(error), "lost": error.lost, "seconds": time.monotonic() - started}
+    with open(os.path.join(results, f"{rank}.json"), "w") as out:
+        json.dump(outcome, out)
+    os._exit(0)  # the process group cannot be left in order with a peer gone
+
+
+def test_a_peer_whose_process_is_gone_makes_the_others_raise_within_the_timeout(tmp_path):
+    store, results = tmp_path / "store", tmp_path / "results"
+    results.mkdir()
+    mp.spawn(_losing_a_peer, args=(str(store), str(results)), nprocs=WORLD, join=True)
+    for rank in (0, 2):
+        outcome = json.loads((results / f"{rank}.json").read_text())
+        assert outcome["raised"] and outcome["lost"], outcome
+        assert "process is gone" in outcome["raised"]
+        assert outcome["seconds"] < 20 + 10, outcome
+
+
+def test_group_options_are_checked():
+    with pytest.raises(TypeError, match="ProcessGroup"):
+        bg.RunnerOptions(group="tp")
+    with pytest.raises(ValueError, match="peer_timeout"):
+        bg.RunnerOptions(peer_timeout=0)
+    with pytest.raises(TypeError, match="agree_batches"):
+        bg.RunnerOptions(agree_batches="yes")
+
+
+def test_a_group_needs_torch_distributed_started():
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this process")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        RankGroup(None, timeout=5)
