@@ -39,6 +39,7 @@ Modules: :mod:`~breakgraph.hf.shapes` (model shapes to try),
 and :mod:`~breakgraph.hf.attention` (the break),
 :mod:`~breakgraph.hf.registration` (what transformers calls),
 :mod:`~breakgraph.hf.compiled` (the compiled decode step),
+:mod:`~breakgraph.hf.tensor_parallel` (a model loaded tensor parallel: its ranks and their group),
 :mod:`~breakgraph.hf.sampling` (transformers' sampling filters, read from device tensors, and a
 draw a graph can hold), :mod:`~breakgraph.hf.end_tokens` and :mod:`~breakgraph.hf.generation`
 (the Generator).

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+from breakgraph.checks import require_count
 
 
 class RowLengths:
@@ -37,20 +40,30 @@ class RowLengths:
         return (self.ends + [self.ends[0]] * rows)[:rows]
 
 
-def decoder_shape(config: PretrainedConfig) -> tuple[int, int, int]:
-    """``(layers, key/value heads, head size)`` of the text decoder that ``config`` describes."""
+def decoder_shape(config: PretrainedConfig, tp_size: int = 1) -> tuple[int, int, int]:
+    """``(layers, key/value heads, head size)`` of the text decoder that ``config`` describes, the
+    key/value heads those of one of ``tp_size`` tensor-parallel ranks (transformers splits each
+    attention layer's projections among them); heads that do not split whole are refused."""
     text = config.get_text_config(decoder=True)
     heads = text.num_attention_heads
     # Configs leave out what a model derives: head_dim where it is hidden_size // heads,
     # num_key_value_heads where every head has keys of its own (no grouped-query attention).
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    return text.num_hidden_layers, kv_heads, head_dim
+    if heads % tp_size or kv_heads % tp_size:
+        common = math.gcd(heads, kv_heads)
+        sizes = ", ".join(str(size) for size in range(1, common + 1) if common % size == 0)
+        raise ValueError(
+            f"the model's {heads} attention heads and {kv_heads} key/value heads do not split evenly among "
+            f"{tp_size} tensor-parallel ranks, and breakgraph.hf serves whole heads on every rank: load it "
+            f"on a number of ranks that divides both ({sizes})"
+        )
+    return text.num_hidden_layers, kv_heads // tp_size, head_dim
 
 
 class _StaticRowsLayer(CacheLayerMixin):
-    """One layer's keys and values, ``(max_batch_size, kv_heads, max_length, head_dim)``, allocated
-    once so that every graph reads and writes them at the same addresses."""
+    """One layer's keys and values, ``(max_batch_size, kv_heads, max_length, head_dim)`` (the heads
+    of this rank), allocated once so that every graph reads and writes them at the same addresses."""
 
     is_compileable = False
 
@@ -66,6 +79,12 @@ class _StaticRowsLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Write the forward's new keys and values at each row's position; return the rows' whole cache."""
+        if key_states.shape[1] != self.keys.shape[1]:  # a shape on the host: no sync, nothing captured
+            raise ValueError(
+                f"the model's attention gives {key_states.shape[1]} key/value heads, but the cache holds "
+                f"{self.keys.shape[1]} per layer: make the cache from the model's config and its tensor-parallel "
+                "size (KVCache(..., tp_size=model.tp_size); a Generator does)"
+            )
         rows, slots = self.cache.write_index(key_states.shape[0], key_states.shape[2])
         self.keys[rows, :, slots] = key_states.transpose(1, 2)
         self.values[rows, :, slots] = value_states.transpose(1, 2)
@@ -101,11 +120,18 @@ class KVCache(Cache):
         max_length (int): slots per row: prompt and generated tokens.
         dtype (torch.dtype): of the keys and values, the model's.
         device (torch.device): where the cache lives, the model's.
+        tp_size (int, default 1): the tensor-parallel ranks the model's heads are split among
+            (``model.tp_size``): this rank's cache holds its share, ``kv_heads // tp_size``. Heads
+            that do not split evenly are refused.
     """
 
-    def __init__(self, config: PretrainedConfig, max_batch_size: int, max_length: int, dtype: torch.dtype, device: torch.device):
-        self._made_with = (config, max_batch_size, max_length, dtype, device)
-        layers, kv_heads, head_dim = decoder_shape(config)
+    def __init__(
+        self, config: PretrainedConfig, max_batch_size: int, max_length: int, dtype: torch.dtype, device: torch.device,
+        tp_size: int = 1,
+    ):
+        require_count("tp_size", tp_size)
+        self._made_with = (config, max_batch_size, max_length, dtype, device, tp_size)
+        layers, kv_heads, head_dim = decoder_shape(config, tp_size)
         shape = (max_batch_size, kv_heads, max_length, head_dim)
         super().__init__(layers=[_StaticRowsLayer(self, shape, dtype, device) for _ in range(layers)])
         self.row_capacity = max_batch_size  # (transformers' Cache has a read-only max_batch_size)

@@ -19,6 +19,7 @@ from breakgraph.hf.compiled import BackgroundCompile, compile_keywords, compiled
 from breakgraph.hf.end_tokens import EndTokens
 from breakgraph.hf.registration import ATTENTION, COMPILED_CACHE, generating_into
 from breakgraph.hf.sampling import CANDIDATES, Sampling, sample
+from breakgraph.hf.tensor_parallel import tensor_parallel_group, tensor_parallel_size
 
 STOP_CHECK_STEPS = 16  # generate() reads the end tokens back this often: one host sync each
 _SAMPLING_KEYWORDS = ("do_sample", "temperature", "top_k", "top_p", "generator")
@@ -26,6 +27,7 @@ _SAMPLING_KEYWORDS = ("do_sample", "temperature", "top_k", "top_p", "generator")
 # scores, where top-k keeps no more, or over the sorted vocabulary.
 AMONG_CANDIDATES, OVER_VOCABULARY = "among candidates", "over the vocabulary"
 _GREEDY = "greedy"
+_STEPS = (_GREEDY, AMONG_CANDIDATES, OVER_VOCABULARY)
 
 
 def _candidates(step: str) -> int | None:
@@ -86,10 +88,17 @@ class Generator:
             ended (or :meth:`wait_for_compile`) captures the compiled step. The compile holds
             Python's GIL for most of its time, so generation runs slower while it does. A
             capture of a step not captured yet waits for it: CUDA refuses another thread's
-            allocations during a capture.
+            allocations during a capture. Refused for a tensor-parallel model, whose compile's
+            collectives would run beside the served step's.
 
     ``runner`` is the greedy step's :class:`~breakgraph.GraphRunner` (``report()``, ``memory()``,
     ``release()``), ``sampling_runner`` the sampling step's, with a memory pool of its own.
+
+    A model loaded tensor parallel (``from_pretrained(..., tp_plan="auto")``) is served on each of its
+    ranks: every rank makes its Generator alike and makes the same calls. The cache holds the rank's
+    share of the heads, the runners capture together (``group=``, the model's tensor-parallel process
+    group), each :meth:`generate` checks first that every rank was called alike, and sampling draws
+    rank 0's numbers on every rank, so every rank makes the same tokens.
     """
 
     def __init__(
@@ -124,7 +133,14 @@ class Generator:
             raise ValueError(f"capture_sizes {list(capture_sizes)} go above max_batch_size {max_batch_size}: raise max_batch_size")
         parameter = next(model.parameters())
         self.device = parameter.device
-        self.cache = KVCache(model.config, max_batch_size, max_length, parameter.dtype, parameter.device)
+        tp_size = tensor_parallel_size(model)
+        self.cache = KVCache(model.config, max_batch_size, max_length, parameter.dtype, parameter.device, tp_size)
+        group = tensor_parallel_group(model)
+        if group is not None and compile_in_background:
+            raise ValueError(
+                "compile_in_background=True compiles beside the served steps, and on a tensor-parallel model its "
+                "collectives would pair with theirs: compile up front (compile=True alone)"
+            )
         self._cache_keyword = _cache_keyword(model)
         self._compiled = None if compiling is None else compiled_forward(model, compiling)
         self._compiled_serves = compiling is not None and not compile_in_background  # the decode step runs self._compiled
@@ -140,6 +156,9 @@ class Generator:
             "positions": torch.zeros(max_batch_size, dtype=torch.long, device=self.device),
         }
         options = dict(modes=mode, progress=progress, debug=debug, measure_memory=measure_memory)
+        if group is not None:
+            # generate() checks once per call that every rank was called alike: no exchange per step.
+            options |= dict(group=group, agree_batches=False)
         if self._compiled is not None:
             options["warmup"] = 1  # each size runs before its capture: a size that compiles again does so outside it
         self.runner = bg.GraphRunner(self._decode_step, static, capture_sizes, **options)
@@ -156,6 +175,7 @@ class Generator:
             **options,
         )
         self._sampling_key = AMONG_CANDIDATES  # the variant the call being served replays
+        self._ranks = self.runner.ranks  # the tensor-parallel ranks' RankGroup; None on one rank
         self._captured: set[str] = set()  # greedy, and the sampling variants, once captured
 
     def _require_inference_with_breakgraph_attention(self) -> None:
@@ -373,7 +393,8 @@ class Generator:
             **sampling: transformers' ``do_sample``, ``temperature``, ``top_k`` and ``top_p``
                 (:class:`~breakgraph.hf.Sampling`; each by default the generation config's, else
                 greedy, 1.0, 50, 1.0), and ``generator`` (torch.Generator on the model's device,
-                optional): what the draws come from; by default the device's default generator.
+                optional): what the draws come from; by default the device's default generator
+                (on a tensor-parallel model, rank 0's state is drawn from on every rank).
                 With ``do_sample`` the token is drawn inside the captured step, the other settings
                 read from device buffers, so a new setting captures nothing again once its
                 variant (see the class) is captured.
@@ -389,6 +410,13 @@ class Generator:
         self._require_inference_with_breakgraph_attention()  # another attention would ignore the cache's lengths
         prompt_lengths = self._prompt_lengths(input_ids, attention_mask, max_new_tokens)
         step = _GREEDY if not settings.do_sample else AMONG_CANDIDATES if settings.among_candidates else OVER_VOCABULARY
+        if self._ranks is not None:  # before anything runs: ranks called differently would pair unrelated collectives
+            rows = prompt_lengths + [0] * (self.max_batch_size - len(prompt_lengths))
+            self._ranks.same(
+                [*input_ids.shape, max_new_tokens, _STEPS.index(step), return_logits, *rows],
+                "generate()'s prompts (batch, length, attention_mask), max_new_tokens, do_sample (and top_k's variant) "
+                "and return_logits",
+            )
         self._capture_steps([step])  # before the prefill: capturing runs the step, which writes cache slots
         if settings.do_sample:
             self._sampling_key = step
@@ -457,7 +485,10 @@ class Generator:
         chain = self._draws.get_state() if self._compiling is not None else None
         if generator is None:
             generator = self._default_generator()
-        self._draws.set_state(generator.get_state())
+        state = generator.get_state()
+        if self._ranks is not None:  # every rank draws rank 0's numbers: tokens that differ would part the ranks
+            self._ranks.broadcast(state)
+        self._draws.set_state(state)
         try:
             yield
         finally:
