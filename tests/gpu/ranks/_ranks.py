@@ -4,14 +4,17 @@ A rank program is a script under ``tests/gpu/ranks/`` that torchrun starts on
 every rank (``tests/gpu/test_tensor_parallel.py`` launches each at 2 and 4
 GPUs). It runs its checks in a row in one process group, so a check that left
 the ranks out of step breaks the ones after it, and ends by calling
-:func:`passed`: the launcher counts one ``PASSED`` line per rank.
+:func:`passed`: the launcher counts one ``rank<r>.passed`` file per rank in the
+folder it passes as the program's argument.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -68,9 +71,20 @@ def _tensors(value) -> list[torch.Tensor]:
 
 
 def passed() -> None:
-    """Say this rank passed, and leave the process group."""
+    """Say this rank passed, and leave the process group.
+
+    Graphs that captured NCCL collectives must be gone first (dropped, or reset):
+    NCCL does not end a communicator that a live graph still launches into.
+    """
+    gc.collect()
     torch.cuda.synchronize()
     dist.barrier()
-    print(f"RANK {dist.get_rank()} PASSED", flush=True)
+    mark_passed()
     dist.destroy_process_group()
     sys.exit(0)
+
+
+def mark_passed() -> None:
+    """Leave this rank's mark in the launcher's folder (the program's argument)."""
+    Path(sys.argv[1], f"rank{dist.get_rank()}.passed").touch()
+    print(f"RANK {dist.get_rank()} PASSED", flush=True)
