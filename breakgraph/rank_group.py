@@ -69,8 +69,14 @@ class RankGroup:
         agreement = self.agreement
         agreement.tag = tag
         agreement.discard = lambda: made and discard(made.pop())
-        with agreement:
-            made.append(attempt(agreement.barrier))
+        try:
+            with agreement:
+                made.append(attempt(agreement.barrier))
+        finally:
+            # The capture's options hold the barrier, and so the agreement: were the agreement to
+            # hold the capture on, the two would keep each other (and a graph whose collectives
+            # NCCL waits for as its process group is destroyed) until a garbage collection.
+            agreement.discard = None
         return made[0]
 
     def retry_together(self, report: int) -> bool:

@@ -18,7 +18,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAMS = sorted(path.stem for path in (Path(__file__).parent / "ranks").glob("*.py") if not path.stem.startswith("_"))
 WORLDS = (2, 4)
-TIMEOUT_S = 420
+TIMEOUT_S = 240  # above the programs' own STALLED_S, so that a stalled rank's stack is in the log
 # NVLink multicast off in NCCL, torch's symmetric memory and NVSHMEM: it can take a shared host's GPUs down.
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 

@@ -10,6 +10,7 @@ folder it passes as the program's argument.
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import os
 import sys
@@ -21,6 +22,8 @@ import torch.distributed as dist
 
 from tests.helpers import poison_
 
+STALLED_S = 200  # under the launcher's timeout (tests/gpu/test_tensor_parallel.py)
+
 
 def start(timeout_s: float = 120) -> tuple[int, int]:
     """Join the NCCL process group on this rank's GPU; return (rank, world size).
@@ -28,6 +31,9 @@ def start(timeout_s: float = 120) -> tuple[int, int]:
     A rank left waiting in a collective fails the program after ``timeout_s``
     (NCCL's watchdog) instead of hanging it: the launcher's own timeout is the last word.
     """
+    # A rank still running after STALLED_S prints every thread's stack and ends: the launcher's log
+    # then shows where it waited.
+    faulthandler.dump_traceback_later(STALLED_S, exit=True)
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl", timeout=timedelta(seconds=timeout_s), device_id=torch.device("cuda", torch.cuda.current_device()))
     return dist.get_rank(), dist.get_world_size()
