@@ -21,13 +21,19 @@ Ways to run a step, all on the same weights and cache:
 - full graphs: attention's capturable variant, which reads each row's
   position from a device tensor, inside one graph (breakgraph's full mode,
   and a ``torch.cuda.graph`` of the same work).
+
+A :class:`TensorParallel` shards the decoder Megatron-style over several
+ranks (:mod:`benchmarks.tensor_parallel`); on one rank, the default, the
+decoder is the same model, weight for weight.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
@@ -49,6 +55,39 @@ class DecoderConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """The share of the decoder one rank holds: Megatron-style tensor parallelism over ``world`` ranks.
+
+    The fused QKV and gate-up projections are split by columns (``heads / world``
+    query heads, ``kv_heads / world`` key/value heads and ``intermediate / world``
+    of the MLP on each rank, each rank attending over its own heads and its own
+    KV cache), the output and down projections by rows, their partial results
+    summed by an ``all_reduce`` over ``group`` (captured in the graph segments).
+    Every rank must be given the same hidden states.
+
+    Arguments:
+        rank (int): this rank, within ``group``.
+        world (int): the ranks the decoder is split among; 1: the whole decoder, no collective.
+        group (torch.distributed.ProcessGroup, optional): the ranks' group; None: the default group.
+    """
+
+    rank: int = 0
+    world: int = 1
+    group: Any = None
+
+    def share(self, total: int, what: str) -> int:
+        """This rank's share of ``total`` (heads, key/value heads, MLP columns), which ``world`` must divide."""
+        if total % self.world:
+            raise ValueError(f"{total} {what} do not split among {self.world} tensor-parallel ranks: choose a world size that divides {total}")
+        return total // self.world
+
+    def seed(self, seed: int) -> int:
+        """The seed of this rank's shard of the weights: ``seed`` itself on rank 0, and others that
+        differ in their low 32 bits (all that the CPU's generator keeps)."""
+        return seed + 1_000_003 * self.rank
 
 
 class AttentionMetadata:
@@ -114,29 +153,34 @@ attention_break = bg.eager_on_graph(attention, inline=attention_from_positions)
 
 
 class Decoder:
-    """Random weights and a KV cache sized for ``max_batch`` rows."""
+    """Random weights and a KV cache sized for ``max_batch`` rows; with ``tp``, this rank's shard of
+    them (made from a seed of ``seed`` and the rank: the ranks' shards are not one model's split)."""
 
-    def __init__(self, config: DecoderConfig, max_batch: int, device="cuda", seed: int = 0):
+    def __init__(self, config: DecoderConfig, max_batch: int, device="cuda", seed: int = 0, tp: TensorParallel | None = None):
         self.config = c = config
-        generator = torch.Generator(device=device).manual_seed(seed)
+        self.tp = tp = tp or TensorParallel()
+        self.heads = tp.share(c.heads, "attention heads")
+        self.kv_heads = tp.share(c.kv_heads, "key/value heads")
+        self.intermediate = tp.share(c.intermediate, "MLP columns")
+        generator = torch.Generator(device=device).manual_seed(tp.seed(seed))
 
         def weight(*shape):
             return (torch.randn(*shape, device=device, generator=generator) * 0.02).to(c.dtype)
 
-        kv = c.kv_heads * c.head_dim
+        q, kv = self.heads * c.head_dim, self.kv_heads * c.head_dim
         self.layers = [
             {
                 "attn_norm": torch.ones(c.hidden, device=device, dtype=c.dtype),
-                "qkv": weight(c.hidden, c.hidden + 2 * kv),
-                "out": weight(c.hidden, c.hidden),
+                "qkv": weight(c.hidden, q + 2 * kv),
+                "out": weight(q, c.hidden),
                 "mlp_norm": torch.ones(c.hidden, device=device, dtype=c.dtype),
-                "gate_up": weight(c.hidden, 2 * c.intermediate),
-                "down": weight(c.intermediate, c.hidden),
+                "gate_up": weight(c.hidden, 2 * self.intermediate),
+                "down": weight(self.intermediate, c.hidden),
             }
             for _ in range(c.layers)
         ]
         self.final_norm = torch.ones(c.hidden, device=device, dtype=c.dtype)
-        cache_shape = (max_batch, c.kv_capacity, c.kv_heads, c.head_dim)
+        cache_shape = (max_batch, c.kv_capacity, self.kv_heads, c.head_dim)
         self.k_cache = [torch.randn(cache_shape, device=device, generator=generator).to(c.dtype) for _ in range(c.layers)]
         self.v_cache = [torch.randn(cache_shape, device=device, generator=generator).to(c.dtype) for _ in range(c.layers)]
         inverse_frequency = 1.0 / (10000 ** (torch.arange(0, c.head_dim, 2, device=device).float() / c.head_dim))
@@ -147,19 +191,33 @@ class Decoder:
         """One decode step: ``x`` [batch, hidden] hidden states, ``positions`` [batch] int64."""
         c = self.config
         batch = x.shape[0]
-        kv = c.kv_heads * c.head_dim
+        q_width, kv = self.heads * c.head_dim, self.kv_heads * c.head_dim
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache):
             h = rms_norm(x, layer["attn_norm"])
-            q, k, v = (h @ layer["qkv"]).split([c.hidden, kv, kv], dim=-1)
-            q = rotate(q.view(batch, c.heads, c.head_dim), cos, sin)
-            k = rotate(k.view(batch, c.kv_heads, c.head_dim), cos, sin)
-            v = v.reshape(batch, c.kv_heads, c.head_dim)
-            x = x + attend(q, k, v, k_cache[:batch], v_cache[:batch], meta) @ layer["out"]
+            q, k, v = (h @ layer["qkv"]).split([q_width, kv, kv], dim=-1)
+            q = rotate(q.view(batch, self.heads, c.head_dim), cos, sin)
+            k = rotate(k.view(batch, self.kv_heads, c.head_dim), cos, sin)
+            v = v.reshape(batch, self.kv_heads, c.head_dim)
+            x = x + self._summed(attend(q, k, v, k_cache[:batch], v_cache[:batch], meta) @ layer["out"])
             gate, up = (rms_norm(x, layer["mlp_norm"]) @ layer["gate_up"]).chunk(2, dim=-1)
-            x = x + (F.silu(gate) * up) @ layer["down"]
+            x = x + self._summed((F.silu(gate) * up) @ layer["down"])
         return rms_norm(x, self.final_norm)
+
+    def _summed(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel projection's result: this rank's part, summed over the ranks in place."""
+        if self.tp.world > 1:
+            dist.all_reduce(partial, group=self.tp.group)
+        return partial
+
+    def same_on_every_rank(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` set in place to rank 0's on every rank (nothing on one rank): the row-parallel
+        sums add up the ranks' parts of the same rows only if every rank has the same input."""
+        if self.tp.world > 1:
+            source = dist.get_global_rank(self.tp.group or dist.group.WORLD, 0)
+            dist.broadcast(tensor, source, group=self.tp.group)
+        return tensor
 
 
 class TorchPiecewise:
@@ -253,7 +311,7 @@ class BatchInputs:
     def __init__(self, decoder: Decoder, max_batch: int, length: int):
         self.decoder = decoder
         self.meta = AttentionMetadata(length)
-        self.x = torch.randn(max_batch, decoder.config.hidden, device="cuda", dtype=decoder.config.dtype)
+        self.x = decoder.same_on_every_rank(torch.randn(max_batch, decoder.config.hidden, device="cuda", dtype=decoder.config.dtype))
         self.positions = torch.full((max_batch,), length, device="cuda", dtype=torch.long)
 
     def step_fn(self, attend):
@@ -273,7 +331,7 @@ class BatchInputs:
 
     def refill(self, size: int) -> torch.Tensor:
         """Fresh random hidden states in the first ``size`` rows; eager's output for them."""
-        self.x[:size].copy_(torch.randn_like(self.x[:size]))
+        self.decoder.same_on_every_rank(self.x[:size].copy_(torch.randn_like(self.x[:size])))
         return self.decoder.step(self.x[:size], self.positions[:size], self.meta).clone()
 
 

@@ -1,16 +1,20 @@
 """The benchmarks and the worked example without a GPU: they say what they need and exit with
-status 2 (argparse's status for a bad command line), never with torch's errors; and the parts of
-the cold measurements that need no GPU (which lengths are cold, the ratios, the plots)."""
+status 2 (argparse's status for a bad command line), never with torch's errors; the parts of
+the cold measurements that need no GPU (which lengths are cold, the ratios, the plots); and the
+tensor-parallel benchmark's sharded decoder, checked against the whole one on CPU threads standing
+for ranks, its ratios and its outputs."""
 
 import os
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
-from benchmarks.decoder import AttentionMetadata
+from benchmarks.decoder import AttentionMetadata, Decoder, DecoderConfig, TensorParallel
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = sorted(path.stem for path in (ROOT / "benchmarks").glob("*.py") if "\ndef main(" in path.read_text())
@@ -37,7 +41,10 @@ def benchmark_runs(tmp_path_factory):
 
 
 def test_every_benchmark_is_found():
-    known = {"capture_time", "decode_step", "graph_memory", "memory", "replay_overhead", "soak", "training_step", "transformers_generate"}
+    known = {
+        "capture_time", "decode_step", "graph_memory", "memory", "replay_overhead", "soak", "tensor_parallel", "training_step",
+        "transformers_generate",
+    }
     assert known <= set(BENCHMARKS)  # and any new one is run by the test below
 
 
@@ -205,3 +212,161 @@ def test_alternated_timing_calls_each_variant_once_a_round_in_a_shuffled_order(m
     rounds = [tuple(calls[i : i + 3]) for i in range(0, len(calls), 3)]
     assert len(rounds) == 6 and all(sorted(names) == ["a", "b", "c"] for names in rounds)
     assert len(set(rounds)) > 1  # shuffled
+
+
+
+# -- tensor parallelism -------------------------------------------------------------------
+
+SMALL = DecoderConfig(layers=2, hidden=64, heads=8, kv_heads=4, intermediate=96, kv_capacity=32, dtype=torch.float32)
+
+
+def test_a_decoder_on_one_rank_is_the_decoder_it_was_weight_for_weight():
+    decoder = Decoder(SMALL, max_batch=3, device="cpu", seed=5)
+    generator = torch.Generator().manual_seed(5)  # the draws in the order the decoder made them before it could be sharded
+
+    def weight(*shape):
+        return (torch.randn(*shape, generator=generator) * 0.02).to(SMALL.dtype)
+
+    hidden, kv = SMALL.hidden, SMALL.kv_heads * SMALL.head_dim
+    for layer in decoder.layers:
+        expected = {"qkv": weight(hidden, hidden + 2 * kv), "out": weight(hidden, hidden), "gate_up": weight(hidden, 192), "down": weight(96, hidden)}
+        assert all(torch.equal(layer[name], tensor) for name, tensor in expected.items())
+    cache = (3, SMALL.kv_capacity, SMALL.kv_heads, SMALL.head_dim)
+    assert all(torch.equal(k, torch.randn(cache, generator=generator)) for k in decoder.k_cache)
+    assert all(torch.equal(v, torch.randn(cache, generator=generator)) for v in decoder.v_cache)
+
+
+def test_a_shard_holds_its_share_of_every_head_and_column_and_refuses_a_world_that_does_not_divide_them():
+    shard = Decoder(SMALL, max_batch=3, device="cpu", tp=TensorParallel(rank=3, world=4))
+    d = SMALL.head_dim
+    assert (shard.heads, shard.kv_heads, shard.intermediate) == (2, 1, 24)
+    assert shard.layers[0]["qkv"].shape == (64, 2 * d + 2 * d) and shard.layers[0]["out"].shape == (2 * d, 64)
+    assert shard.layers[0]["gate_up"].shape == (64, 48) and shard.layers[0]["down"].shape == (24, 64)
+    assert shard.k_cache[0].shape == (3, 32, 1, d)
+    other = Decoder(SMALL, max_batch=3, device="cpu", tp=TensorParallel(rank=2, world=4))
+    assert not torch.equal(shard.layers[0]["qkv"], other.layers[0]["qkv"])  # a seed of each rank's own
+    with pytest.raises(ValueError, match="8 attention heads do not split among 3 tensor-parallel ranks"):
+        Decoder(SMALL, max_batch=3, device="cpu", tp=TensorParallel(rank=0, world=3))
+    with pytest.raises(ValueError, match="4 key/value heads do not split among 8"):
+        Decoder(SMALL, max_batch=3, device="cpu", tp=TensorParallel(rank=0, world=8))
+
+
+class FakeRanks:
+    """``torch.distributed.all_reduce`` among threads, one per rank (``group`` is the thread's rank)."""
+
+    def __init__(self, world: int):
+        self.barrier = threading.Barrier(world, timeout=60)
+        self.parts = [None] * world
+
+    def all_reduce(self, tensor, group=None):
+        self.parts[group] = tensor.clone()
+        self.barrier.wait()
+        total = sum(self.parts)  # in rank order on every rank
+        self.barrier.wait()
+        tensor.copy_(total)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_shards_steps_summed_are_the_step_of_the_decoder_they_make_up(world, monkeypatch):
+    ranks = FakeRanks(world)
+    monkeypatch.setattr(torch.distributed, "all_reduce", ranks.all_reduce)
+    shards = [Decoder(SMALL, max_batch=3, device="cpu", tp=TensorParallel(rank, world, group=rank)) for rank in range(world)]
+    whole = Decoder(SMALL, max_batch=3, device="cpu")  # its weights replaced by the shards', put together
+    q, kv = shards[0].heads * SMALL.head_dim, shards[0].kv_heads * SMALL.head_dim
+    for index, layer in enumerate(whole.layers):
+        parts = [shard.layers[index] for shard in shards]
+        qkv = [part["qkv"].split([q, kv, kv], dim=1) for part in parts]
+        layer["qkv"] = torch.cat([piece[which] for which in range(3) for piece in qkv], dim=1)
+        gate_up = [part["gate_up"].chunk(2, dim=1) for part in parts]
+        layer["gate_up"] = torch.cat([piece[which] for which in range(2) for piece in gate_up], dim=1)
+        layer["out"] = torch.cat([part["out"] for part in parts])
+        layer["down"] = torch.cat([part["down"] for part in parts])
+        whole.k_cache[index] = torch.cat([shard.k_cache[index] for shard in shards], dim=2)
+        whole.v_cache[index] = torch.cat([shard.v_cache[index] for shard in shards], dim=2)
+    x = torch.randn(3, SMALL.hidden)
+    positions = torch.tensor([20, 20, 20])
+    with ThreadPoolExecutor(world) as pool:
+        sharded = list(pool.map(lambda shard: shard.step(x.clone(), positions, AttentionMetadata(20)), shards))
+    expected = whole.step(x.clone(), positions, AttentionMetadata(20))
+    for rank, got in enumerate(sharded):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4, msg=lambda m: f"rank {rank}: {m}")
+    assert all(torch.equal(got, sharded[0]) for got in sharded)  # every rank ends with the same rows
+
+
+def test_tensor_parallel_ratios_say_which_targets_are_met():
+    from benchmarks import tensor_parallel as bench
+
+    us = {
+        bench.EAGER: 12000.0, bench.TORCH: 2200.0, bench.BREAKABLE: 2000.0, bench.AGREED: 2100.0, bench.BARE: 1980.0,
+        bench.BOUND: 1850.0, bench.FULL: 1700.0, bench.FULL_BARE: 1690.0, bench.FULL_BOUND: 1650.0,
+    }
+    row, lines = bench.decode_ratios(8, us, world=2)
+    assert row["variant"] == "ratios" and row["notes"].startswith("breakable/bound 1.08x; full/same-work monolithic 1.030x; torch per segment/breakable 1.10x")
+    assert lines == [
+        "batch 8: breakgraph breakable 1.08x its frozen-length bound (target <= 1.10x: met)",
+        "batch 8: breakgraph full 1.030x the same work as one monolithic graph (target <= 1.02x: NOT met)",
+        "batch 8: torch CUDAGraph per segment 1.10x breakgraph breakable's step (target >= 1.00x: met)",
+    ]
+    slow_meta = dict(us, **{bench.META: 1990.0})
+    assert bench.decode_ratios(8, slow_meta, world=4)[1][-1] == (
+        "batch 8: Meta breakable_cuda_graphs 0.99x breakgraph breakable's step (target >= 1.00x: NOT met)"
+    )
+    assert "the target is set for T = 2 and 4, this is T = 1" in bench.decode_ratios(1, us, world=1)[1][0]
+
+    runs = {bench.WITH_GROUP: [(5.0, 300.0), (6.0, 310.0), (5.0, 305.0)], bench.WITHOUT_GROUP: [(0.0, 300.0), (0.0, 290.0), (0.0, 295.0)]}
+    row, line = bench.capture_ratio(runs, [1, 2, 4, 8, 16, 24, 32])
+    assert row["batch"] == "7 sizes, 1-32" and row["notes"] == "with/without group 1.051x made and captured, 1.034x capture() alone"
+    assert line == "7 sizes: agreement (group=) adds +5.1 % to making and capturing a runner (NOT met) and +3.4 % to its capture() alone (met); target <= 5 %"
+
+
+def test_tensor_parallel_generation_compares_the_best_breakgraph_variant_with_torch_compile():
+    from benchmarks import tensor_parallel as bench
+
+    result = lambda tok_s: {"decode_tok_s": tok_s, "ms_per_step": 1000 / tok_s, "tokens": [[1, 2]]}  # noqa: E731
+    measured = {"eager": result(50.0), "compile": result(300.0), "breakable": result(380.0), "full": result(330.0), "breakable_compile": result(420.0)}
+    row, lines = bench.generate_ratios(1, measured, {}, compiled=True, world=2)
+    assert row["notes"] == "breakable/compile 1.27x; full/compile 1.10x; breakable_compile/compile 1.40x"
+    assert lines == ["batch 1: best breakgraph variant breakgraph breakable + compile: 1.40x torch.compile's decode tokens/s (target >= 1.3x: met)"]
+    without = {name: value for name, value in measured.items() if name != "compile"}
+    row, lines = bench.generate_ratios(8, without, {"compile": "RecompileError: guard failed"}, compiled=True, world=4)
+    assert lines == ["batch 8: transformers static + torch.compile failed at T = 4 (RecompileError: guard failed): no ratio"]
+    assert bench.generate_ratios(1, measured, {}, compiled=False, world=2)[1][0].endswith("so its figure is uncompiled")
+
+
+def test_tensor_parallel_sizes_the_checkpoint_it_writes():
+    from benchmarks.tensor_parallel import checkpoint_bytes
+    from breakgraph.hf.shapes import LLAMA_3_2_1B
+
+    assert checkpoint_bytes(LLAMA_3_2_1B) == 2 * 1_235_814_400  # Llama-3.2-1B's parameters, in bf16
+    assert checkpoint_bytes(dict(LLAMA_3_2_1B, tie_word_embeddings=False)) == 2 * (1_235_814_400 + 128256 * 2048)
+
+
+def test_tensor_parallel_takes_its_settings_and_writes_one_table_and_plot(monkeypatch, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from benchmarks import tensor_parallel as bench
+
+    quick, full = bench.parse(["--quick"]), bench.parse(["--parts", "hf", "capture"])
+    assert (quick.batches, quick.new, quick.prompt, quick.parts) == ([1, 8], 16, 16, ["decoder", "capture", "hf"])
+    assert (full.batches, full.new, full.prompt, full.parts) == ([1, 8, 32], 64, 128, ["hf", "capture"])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "no GPU")
+    rows = [
+        {"part": bench.DECODE, "batch": batch, "variant": variant, "ms": ms * batch, "tokens_per_s": 1.0, "max_abs_diff_vs_eager": 0.01}
+        for batch in (1, 8) for variant, ms in ((bench.EAGER, 10.0), (bench.BREAKABLE, 2.0), (bench.BOUND, 1.9))
+    ]
+    rows += [{"part": bench.DECODE, "batch": 8, "variant": "ratios", "notes": "breakable/bound 1.05x"}]
+    rows += [{"part": bench.CAPTURE, "batch": "7 sizes, 1-32", "variant": bench.WITH_GROUP, "ms": 300.0, "notes": "made 5.0 ms"}]
+    rows += [{"part": bench.GENERATE, "batch": 1, "variant": "transformers static + torch.compile", "ms": "failed", "notes": "ValueError: no"}]
+    drawn = {}
+
+    def draw(ax, measured):
+        bench.draw(ax, measured, 2)
+        drawn["bars"] = len(ax.patches)
+        drawn["title"] = ax.get_title()
+
+    bench.write_outputs("tensor_parallel_tp2", rows, bench.COLUMNS, tmp_path, {}, draw)
+    assert capsys.readouterr().out.splitlines()[0].split() == bench.COLUMNS
+    assert drawn == {"bars": 6, "title": "Decode step, tensor parallel 2 (no GPU)"}  # the decode step's 3 variants at 2 batches
+    assert (tmp_path / "tensor_parallel_tp2.json").stat().st_size > 0 and (tmp_path / "tensor_parallel_tp2.png").stat().st_size > 0
+    capture_only = [row for row in rows if row["part"] == bench.CAPTURE]
+    bench.write_outputs("capture_only", capture_only, bench.COLUMNS, tmp_path, {}, draw)
+    assert drawn == {"bars": 1, "title": "Capture, tensor parallel 2 (no GPU)"}
