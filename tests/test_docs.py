@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from breakgraph.runtime import cuda_available
+from tests.launch import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -26,6 +27,7 @@ WHERE = {
     "# Needs a CUDA GPU": "gpu",
     "# Needs 2 CUDA GPUs": "2 gpus",
 }
+STALLED_S = 240
 DEMO = 'python3 -m pip install -e ".[test,plot,transformers]" --config-settings editable_mode=strict && python3 -m breakgraph demo'
 TESTS = 'python3 -m pip install -e ".[test,plot,transformers]" --config-settings editable_mode=strict && lint-imports && python3 -m pytest -q'
 
@@ -84,8 +86,10 @@ def test_a_gpu_block_runs_on_a_gpu(block, tmp_path):
 @pytest.mark.skipif(cuda_available() and torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 @pytest.mark.parametrize("block", blocks("2 gpus"))
 def test_a_two_gpu_block_runs_under_torchrun(block, tmp_path):
-    torchrun = shutil.which("torchrun") or "torchrun"
-    run(block, tmp_path, [torchrun, "--nproc-per-node", "2", str(tmp_path / "block.py")])
+    # A rank still running after STALLED_S prints its stack and ends, so a stalled block shows where.
+    (tmp_path / "block.py").write_text(f"import faulthandler; faulthandler.dump_traceback_later({STALLED_S}, exit=True)\n{block}")
+    status, log = torchrun([str(tmp_path / "block.py")], 2, tmp_path, STALLED_S + 60, dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert status == 0, f"this block failed or stalled:\n{block}\n{log[-6000:]}"
 
 
 def the_readme_example() -> tuple[int, str]:
