@@ -19,7 +19,7 @@ from typing import Callable, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
-from breakgraph.ranks import CaptureAgreement, PeerCaptureError, peers_lost
+from breakgraph.ranks import CaptureAgreement, peers_lost
 
 T = TypeVar("T")
 
@@ -43,7 +43,6 @@ class RankGroup:
                 "group= needs torch.distributed: call torch.distributed.init_process_group() on every rank "
                 "before making the runner"
             )
-        self.group = group
         ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
         # Made by the group's ranks alone (use_local_synchronization), so ranks of other
         # groups (pipeline stages, say) need not make it with them.
@@ -51,8 +50,6 @@ class RankGroup:
             ranks, timeout=timedelta(seconds=timeout), backend="gloo", use_local_synchronization=True
         )
         self.timeout = timeout
-        self.rank = dist.get_rank(self.exchanges)
-        self.size = dist.get_world_size(self.exchanges)
         self.agreement = CaptureAgreement(self.exchanges)
 
     def capture(self, tag: int, attempt: Callable[[Callable[[], None]], T], discard: Callable[[T], object]) -> T:

@@ -9,7 +9,6 @@ test extra does not install; the Generator reads the mesh and size where transfo
 """
 
 import math
-import os
 from datetime import timedelta
 from types import SimpleNamespace
 

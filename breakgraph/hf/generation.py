@@ -175,7 +175,6 @@ class Generator:
             **options,
         )
         self._sampling_key = AMONG_CANDIDATES  # the variant the call being served replays
-        self._ranks = self.runner.ranks  # the tensor-parallel ranks' RankGroup; None on one rank
         self._captured: set[str] = set()  # greedy, and the sampling variants, once captured
 
     def _require_inference_with_breakgraph_attention(self) -> None:
@@ -410,9 +409,10 @@ class Generator:
         self._require_inference_with_breakgraph_attention()  # another attention would ignore the cache's lengths
         prompt_lengths = self._prompt_lengths(input_ids, attention_mask, max_new_tokens)
         step = _GREEDY if not settings.do_sample else AMONG_CANDIDATES if settings.among_candidates else OVER_VOCABULARY
-        if self._ranks is not None:  # before anything runs: ranks called differently would pair unrelated collectives
+        ranks = self.runner.ranks  # the tensor-parallel ranks' RankGroup; None on one rank
+        if ranks is not None:  # before anything runs: ranks called differently would pair unrelated collectives
             rows = prompt_lengths + [0] * (self.max_batch_size - len(prompt_lengths))
-            self._ranks.same(
+            ranks.same(
                 [*input_ids.shape, max_new_tokens, _STEPS.index(step), return_logits, *rows],
                 "generate()'s prompts (batch, length, attention_mask), max_new_tokens, do_sample (and top_k's variant) "
                 "and return_logits",
@@ -486,8 +486,8 @@ class Generator:
         if generator is None:
             generator = self._default_generator()
         state = generator.get_state()
-        if self._ranks is not None:  # every rank draws rank 0's numbers: tokens that differ would part the ranks
-            self._ranks.broadcast(state)
+        if self.runner.ranks is not None:  # every rank draws rank 0's numbers: tokens that differ would part the ranks
+            self.runner.ranks.broadcast(state)
         self._draws.set_state(state)
         try:
             yield
