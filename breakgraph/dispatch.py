@@ -224,9 +224,11 @@ class BarrierBeforeCollectives(TorchDispatchMode):
     def __init__(self, barrier):
         super().__init__()
         self.barrier = barrier
+        self.collectives = 0  # met so far
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name
         if name.startswith(("c10d::", "_c10d_functional::")) and name not in _NOT_COLLECTIVES:
+            self.collectives += 1
             self.barrier()
         return func(*args, **(kwargs or {}))

@@ -19,7 +19,7 @@ from typing import Callable, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
-from breakgraph.ranks import CaptureAgreement, peers_lost
+from breakgraph.ranks import CaptureAgreement, PeerBarrier, peers_lost
 
 T = TypeVar("T")
 
@@ -51,11 +51,12 @@ class RankGroup:
         )
         self.timeout = timeout
         self.agreement = CaptureAgreement(self.exchanges)
+        self.barrier = PeerBarrier(self.agreement.barrier)
 
     def capture(self, tag: int, attempt: Callable[[Callable[[], None]], T], discard: Callable[[T], object]) -> T:
-        """``attempt(barrier)`` (a capture whose ``barrier_fn`` is ``barrier``) kept on every
-        rank or raised on every rank; ``discard(result)`` on a rank whose capture succeeded
-        where a peer's failed.
+        """``attempt(barrier)`` (a capture whose ``barrier_fn`` is ``barrier``, a
+        :class:`PeerBarrier`) kept on every rank or raised on every rank; ``discard(result)``
+        on a rank whose capture succeeded where a peer's failed.
 
         Arguments:
             tag (int): what every rank must be capturing (the runner's key and size).
@@ -68,7 +69,7 @@ class RankGroup:
         agreement.discard = lambda: made and discard(made.pop())
         try:
             with agreement:
-                made.append(attempt(agreement.barrier))
+                made.append(attempt(self.barrier))
         finally:
             # The capture's options hold the barrier, and so the agreement: were the agreement to
             # hold the capture on, the two would keep each other (and a graph whose collectives

@@ -16,6 +16,7 @@ until it arrives or the process group's timeout ends the job.
 
 from __future__ import annotations
 
+import contextlib
 from enum import IntEnum
 from typing import Any, Callable, Sequence
 
@@ -205,6 +206,40 @@ class CaptureAgreement:
         self._settled = step != _Step.BARRIER or len(set(reports)) > 1
         self._interrupted = False
         return reports
+
+
+class PeerBarrier:
+    """A runner's barrier with its peer ranks (``GraphRunner(..., group=...)``), met only where
+    a capture runs work that pairs with theirs: before each collective an eager break issues
+    through ``torch.distributed``. A ``barrier_fn`` of the user's is also met before every break
+    and at the capture's end; the runner's is not, since an exchange at every break would cost
+    its capture more than the breaks themselves, and its agreement's end follows the capture's.
+
+    Finding a break's collectives means watching its every op, which costs about as much
+    again as the break: a break function whose capture issued none is in ``quiet`` from then
+    on, and its later captures (this runner's other sizes) run unwatched.
+
+    Arguments:
+        barrier (callable): the exchange itself (``CaptureAgreement.barrier``).
+    """
+
+    def __init__(self, barrier: Callable[[], Any]):
+        self.barrier = barrier
+        self.quiet: set[Callable] = set()
+
+    def __call__(self) -> None:
+        self.barrier()
+
+    def is_quiet(self, function: Callable) -> bool:
+        """Whether the break ``function`` issued no collective at an earlier capture."""
+        try:
+            return function in self.quiet
+        except TypeError:  # an unhashable callable is watched every time
+            return False
+
+    def found_quiet(self, function: Callable) -> None:
+        with contextlib.suppress(TypeError):
+            self.quiet.add(function)
 
 
 def agreed_batch_size(n: int, group: "dist.ProcessGroup | None" = None) -> int:

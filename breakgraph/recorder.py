@@ -23,6 +23,7 @@ from breakgraph.dispatch import BarrierBeforeCollectives, CaptureDispatchMode, U
 from breakgraph.naming import function_name
 from breakgraph.options import CaptureOptions
 from breakgraph.pool import PoolUsage, captures_running
+from breakgraph.ranks import PeerBarrier
 from breakgraph.segments import GraphSegment, Segment, TorchGraphSegment
 
 _GENERATOR_WAIT_S = 60.0
@@ -142,11 +143,11 @@ class Recorder:
             return self._run_inline(name, function, inline, args, kwargs)
         call = f"{name}()"
         self.end_segment(following=call)
-        if self.barrier is not None:
+        if self.barrier is not None and not isinstance(self.barrier, PeerBarrier):
             self.barrier()
         before = None
         run = stub or function
-        with contextlib.nullcontext() if self.barrier is None else BarrierBeforeCollectives(self.barrier):
+        with self._collectives_watched(function):
             if self.record_addresses:  # debug mode also watches what the break allocates
                 before, saved = PoolUsage.of(self.pool), []
                 with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
@@ -159,6 +160,19 @@ class Recorder:
         self._previous = call
         self.begin_segment()
         return result
+
+    @contextlib.contextmanager
+    def _collectives_watched(self, function: Callable):
+        """The barrier before each collective the break ``function`` issues, where there is a
+        barrier; a runner's peers learn which break functions issue none (:class:`PeerBarrier`)."""
+        peers = self.barrier if isinstance(self.barrier, PeerBarrier) else None
+        if self.barrier is None or (peers is not None and peers.is_quiet(function)):
+            yield
+            return
+        with BarrierBeforeCollectives(self.barrier) as watch:
+            yield
+        if peers is not None and not watch.collectives:
+            peers.found_quiet(function)
 
     def random_op(self, op: Callable, args: tuple, kwargs: dict) -> Any:
         """A random op the op watch met inside a segment: an eager break with
@@ -218,8 +232,8 @@ class Recorder:
         """End the last segment and close the capture's scope; the recording is the caller's now."""
         try:
             self.end_segment(following="end")
-            if self.barrier is not None:
-                self.barrier()
+            if self.barrier is not None and not isinstance(self.barrier, PeerBarrier):
+                self.barrier()  # a runner's peers meet as their agreement ends, right after
             segments = self._instantiated()
         except BaseException:
             self.abort()

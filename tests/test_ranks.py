@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import breakgraph as bg
+from breakgraph.ranks import PeerBarrier
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch has no torch.distributed")
 
@@ -186,3 +187,26 @@ def test_agreement_errors_say_what_to_do():
             pass
         with pytest.raises(ValueError, match="batch size"):
             bg.agreed_batch_size(-1)
+
+
+def test_a_peer_barrier_passes_through_and_remembers_quiet_breaks():
+    met = []
+    peers = PeerBarrier(lambda: met.append("met"))
+    peers()
+    assert met == ["met"]
+
+    def attention(x):
+        return x
+
+    class Unhashable:
+        __eq__ = object.__eq__  # and so no __hash__
+        __hash__ = None
+
+        def __call__(self, x):
+            return x
+
+    assert not peers.is_quiet(attention)
+    peers.found_quiet(attention)
+    peers.found_quiet(Unhashable())  # watched every time rather than remembered
+    assert peers.is_quiet(attention) and not peers.is_quiet(Unhashable())
+    assert peers.quiet == {attention}

@@ -8,6 +8,8 @@ collective) served by runners given the world group:
   largest, replays the same graph (or runs eagerly above the largest size,
   all together), and its live rows match eager;
 - lazy capture, in step on every rank, in breakable and full mode;
+- the ranks exchange once a size, as its capture's agreement ends, where no
+  break issues a collective;
 - a size whose capture fails on one rank only: with ``on_capture_error="eager"``
   every rank serves it eagerly; with "raise" every rank raises, and a new
   capture works;
@@ -17,6 +19,7 @@ collective) served by runners given the world group:
 """
 
 import random
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -74,7 +77,7 @@ class Step:
         return summed(normalized(h) @ self.out) + h
 
 
-def batches_match_eager(runner: bg.GraphRunner, step: Step, rank: int, calls: int = 20, seed: int = 0) -> set:
+def batches_match_eager(runner: bg.GraphRunner, step: Callable, rank: int, calls: int = 20, seed: int = 0) -> set:
     """``calls`` live batches, of a different size on each rank (above the largest size now and
     then); each rank's rows equal eager's on the batch padded to the largest of any rank. Returns
     the row counts every rank was padded to."""
@@ -110,6 +113,16 @@ def main() -> None:
         padded_to = batches_match_eager(runner, step, rank)
         assert sorted(size for _key, size in runner.graphs) == sizes
         say(f"{mode}: 20 batches of different sizes per rank match eager, padded to {sorted(padded_to)}")
+
+    def no_collective_in_breaks(x):
+        h = torch.relu(x @ step.up) @ step.down
+        dist.all_reduce(h)  # in the segment
+        return normalized(h) @ step.out
+
+    quiet = bg.GraphRunner(no_collective_in_breaks, static, sizes, group=dist.group.WORLD, progress=False).capture()
+    assert quiet.ranks.agreement.exchanges == len(sizes), quiet.ranks.agreement.exchanges
+    batches_match_eager(quiet, no_collective_in_breaks, rank, seed=5)
+    say("breaks without collectives: one exchange a size, at its capture's end")
 
     lazy = bg.GraphRunner(step, static, sizes, group=dist.group.WORLD, lazy=True, progress=False).capture()
     batches_match_eager(lazy, step, rank, seed=1)
@@ -150,7 +163,7 @@ def main() -> None:
     assert sorted(size for _key, size in retried.graphs) == sizes and warmed_up == {16, 2}, warmed_up
     batches_match_eager(retried, step, rank, seed=4)
     say("a lazy initialisation on one rank: every rank warmed size 2 up and captured it again")
-    del runner, lazy, served, raising, again, retried  # their graphs launch into NCCL's communicator
+    del runner, quiet, lazy, served, raising, again, retried  # their graphs launch into NCCL's communicator
     passed()
 
 
