@@ -115,10 +115,13 @@ class StaticInputs:
         return trees.map_tensors(pad, inputs)
 
     def fill(self, live: list[torch.Tensor], size: int, pad_value: float) -> None:
-        """Copy ``live`` into the first rows and pad the rest up to ``size``."""
+        """Copy ``live`` into the first rows and pad the rest up to ``size``. A live input that is
+        the buffer's own first rows (an engine that prepares its inputs in the static buffers
+        passes them as they are) is not copied onto itself."""
         n = live[0].shape[0]
         for static, fresh in zip(self.leaves, live):
-            static[:n].copy_(fresh)
+            if fresh.data_ptr() != static.data_ptr() or fresh.stride() != static.stride():
+                static[:n].copy_(fresh)
             if n < size:
                 static[n:size].fill_(pad_value)
 
@@ -127,7 +130,7 @@ def live_rows(output: Any, size: int, n: int, clone: bool) -> Any:
     """``output`` with every tensor whose dimension 0 is the captured ``size`` cut to ``n`` rows."""
 
     def rows(tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.dim() > 0 and tensor.shape[0] == size:
+        if n < size and tensor.dim() > 0 and tensor.shape[0] == size:
             tensor = tensor[:n]
         return tensor.clone() if clone else tensor
 

@@ -26,6 +26,23 @@ def test_a_live_batch_fills_the_first_rows_and_the_rest_up_to_the_size_is_paddin
     assert out["scalar"].dim() == 0
 
 
+@settings(max_examples=40, deadline=None)
+@given(max_size=st.integers(2, 12), data=st.data())
+def test_inputs_prepared_in_the_static_buffers_are_taken_as_they_are(max_size, data):
+    n = data.draw(st.integers(1, max_size - 1), label="live rows")
+    size = data.draw(st.integers(n, max_size), label="captured size")
+    inputs = StaticInputs((torch.zeros(max_size, 3), torch.zeros(max_size, dtype=torch.long)))
+    values, ids = inputs.leaves
+    values[:n] = torch.randn(n, 3)  # written in place, as an engine does
+    prepared, fresh_ids = values[:n].clone(), torch.randint(0, 10, (n,))
+    # The values are the buffer's own rows; the ids are a tensor of their own, copied in.
+    inputs.fill(inputs.check((values[:n], fresh_ids)), size, -1)
+    assert torch.equal(values[:n], prepared) and torch.equal(ids[:n], fresh_ids)
+    assert torch.all(values[n:size] == -1) and torch.all(ids[n:size] == -1)
+    assert live_rows(values[:size], size, n, clone=False).shape[0] == n
+    assert live_rows(values[:size], size, size, clone=False).shape[0] == size
+
+
 def test_live_rows_clones_when_asked():
     static = torch.arange(8.0)
     out = live_rows(static[:4], 4, 3, clone=True)
