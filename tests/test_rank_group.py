@@ -103,6 +103,7 @@ def test_ranks_agree_on_batch_key_call_retry_and_state(tmp_path):
 def _losing_a_peer(rank: int, store: str, results: str) -> None:
     _join(rank, store)
     ranks = RankGroup(None, timeout=20)
+    dist.barrier()  # every rank's exchange group is connected: rank 1 leaves none half-made
     if rank == 1:
         os._exit(0)  # gone without a word, mid-job
     started = time.monotonic()
