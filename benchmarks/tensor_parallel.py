@@ -625,7 +625,7 @@ def parse(argv) -> argparse.Namespace:
         parser.error(f"argument --prompt: must be at least 1, got {args.prompt}")
     # steps per timed block and blocks per variant (decoder); runner start-ups each way (capture);
     # warm generations per variant and batch (hf)
-    args.iters, args.rounds, args.turns, args.repeats = (10, 3, 3, 2) if args.quick else (30, 7, 5, 3)
+    args.iters, args.rounds, args.turns, args.repeats = (10, 3, 3, 2) if args.quick else (30, 7, 15, 3)
     return args
 
 
