@@ -207,7 +207,15 @@ def pool_bytes(pool: "torch.cuda.MemPool") -> int:
 def require_pool(pool) -> None:
     """Refuse anything but a ``torch.cuda.MemPool``, saying where one comes from."""
     if not isinstance(pool, torch.cuda.MemPool):
-        hint = "; a GraphRunner has a pool once it has captured (runner.capture())" if pool is None else ""
+        hint = ""
+        if pool is None:
+            hint = "; a GraphRunner has a pool once it has captured (runner.capture())"
+        elif isinstance(pool, tuple):
+            hint = (
+                "; torch.cuda.graph_pool_handle() and graph.pool() give a bare pool id, which breakgraph cannot "
+                "route allocations to: make a pool = torch.cuda.MemPool() and pass it here (torch's own graphs "
+                "share it through torch.cuda.graph(g, pool=pool.id))"
+            )
         raise TypeError(
             f"expected a torch.cuda.MemPool (a BreakableCUDAGraph's or GraphRunner's .pool), got {type(pool).__name__}{hint}"
         )

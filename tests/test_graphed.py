@@ -98,6 +98,12 @@ def test_debug_must_be_a_bool_or_none_everywhere(debug):
             bg.GraphRunner(lambda x: x, torch.ones(4, 2), debug=debug)
 
 
+def test_torchs_bare_pool_id_is_refused_saying_how_to_share_a_pool_with_torch():
+    handle = (0, 1)  # what torch.cuda.graph_pool_handle() returns (it needs a GPU to make one)
+    with pytest.raises(TypeError, match=r"got tuple; torch.cuda.graph_pool_handle\(\) .* pool = torch.cuda.MemPool\(\) .* pool=pool.id"):
+        bg.BreakableCUDAGraph(pool=handle)
+
+
 @pytest.mark.parametrize("pool", [42, "pool", object()])
 def test_a_pool_that_is_not_a_mempool_is_refused(pool):
     with pytest.raises(TypeError, match=r"expected a torch.cuda.MemPool \(a BreakableCUDAGraph's or GraphRunner's .pool\)"):
