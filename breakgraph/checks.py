@@ -8,8 +8,12 @@ and which check each one gets, live in :mod:`breakgraph.options`.
 from __future__ import annotations
 
 import difflib
+import functools
+import inspect
 import numbers
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, TypeVar
+
+F = TypeVar("F", bound=Callable)
 
 
 def _given(value: Any) -> str:
@@ -74,3 +78,17 @@ def refuse_unknown(owner: str, names: Iterable[str], known: Iterable[str]) -> No
             guess = near_miss(name, known)
             hint = f"; did you mean {guess!r}?" if guess else f"; it takes {', '.join(known)}"
             raise TypeError(f"{owner} got an unknown option {name!r}{hint}")
+
+
+def refuse_unknown_keywords(function: F) -> F:
+    """``function``, refusing a keyword it does not take by naming the closest one it does, which
+    Python's own "unexpected keyword argument" does not (for a function without ``**kwargs``)."""
+    by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    known = tuple(name for name, param in inspect.signature(function).parameters.items() if param.kind in by_name)
+
+    @functools.wraps(function)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        refuse_unknown(function.__name__, kwargs, known)
+        return function(*args, **kwargs)
+
+    return checked

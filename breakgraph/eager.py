@@ -6,7 +6,7 @@ import functools
 from typing import Callable, TypeVar, overload
 
 from breakgraph import context
-from breakgraph.checks import require_bool
+from breakgraph.checks import refuse_unknown_keywords, require_bool
 
 F = TypeVar("F", bound=Callable)
 
@@ -19,6 +19,7 @@ def eager_on_graph(
 ) -> Callable[[F], F]: ...
 
 
+@refuse_unknown_keywords
 def eager_on_graph(
     function: Callable | None = None,
     *,

@@ -42,6 +42,12 @@ class _CaptureChoices:
     barrier_fn: Callable[[], Any] | None = None
     measure_memory: bool = False
 
+    def __new__(cls, *positional: Any, **by_name: Any):
+        """Name a misspelt option and the closest known one, which the dataclass ``__init__``
+        would not; positional arguments pass on to that ``__init__``, which refuses them."""
+        refuse_unknown(cls.__name__, by_name, cls.names())
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "capture_error_mode", CaptureMode.parse(self.capture_error_mode))
         require_choice("random_ops", self.random_ops, RANDOM_OPS)

@@ -25,6 +25,13 @@ def test_eager_on_graph_refuses_an_enable_that_is_not_a_bool():
         bg.eager_on_graph(lambda x: x, enable=0)
 
 
+def test_eager_on_graph_refuses_a_misspelt_keyword_naming_the_closest():
+    with pytest.raises(TypeError, match="eager_on_graph got an unknown option 'enabled'; did you mean 'enable'"):
+        bg.eager_on_graph(enabled=False)
+    with pytest.raises(TypeError, match="eager_on_graph got an unknown option 'stub'; it takes function, enable, inline, capture_stub"):
+        bg.eager_on_graph(lambda x: x, stub=print)
+
+
 @pytest.mark.parametrize("name, value", [("lazy", "no"), ("clone", "yes"), ("progress", "no"), ("share_executables", 1)])
 def test_runner_switches_take_bools_only(name, value):
     with pytest.raises(TypeError, match=f"{name} must be True or False, got {value!r}"):
@@ -50,6 +57,17 @@ def test_runner_refuses_an_option_it_does_not_take_naming_the_closest():
         quiet_runner(lambda x: x, torch.zeros(4, 2), lazzy=True)
     with pytest.raises(TypeError, match="GraphRunner got an unknown option 'colour'; it takes"):
         quiet_runner(lambda x: x, torch.zeros(4, 2), colour="red")
+
+
+def test_an_options_object_refuses_an_option_it_does_not_take_naming_the_closest():
+    with pytest.raises(TypeError, match="CaptureOptions got an unknown option 'random_op'; did you mean 'random_ops'"):
+        bg.CaptureOptions(random_op="break")
+    with pytest.raises(TypeError, match="RunnerOptions got an unknown option 'lazzy'; did you mean 'lazy'"):
+        bg.RunnerOptions(lazzy=True)
+    with pytest.raises(TypeError, match="RunnerOptions got an unknown option 'breaks'; it takes"):
+        bg.RunnerOptions(breaks="inline")  # a capture's option: a runner sets it through modes
+    with pytest.raises(TypeError, match="takes 1 positional argument"):
+        bg.CaptureOptions("graph")
 
 
 def test_an_options_object_and_options_by_name_combine():
