@@ -34,7 +34,6 @@ counted.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import statistics
 import time
@@ -43,7 +42,7 @@ import torch
 
 import breakgraph_bindings as bindings
 import breakgraph as bg
-from benchmarks.common import device_meta, noop, plot_lines, replay_each, require_gpu, write_outputs
+from benchmarks.common import benchmark_parser, device_meta, noop, plot_lines, replay_each, require_gpu, write_outputs
 from benchmarks.decoder import (
     BatchInputs,
     Decoder,
@@ -261,9 +260,8 @@ def first_use_row(inputs: BatchInputs, sizes) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser("capture_time", __doc__)
     parser.add_argument("--quick", action="store_true", help="small smoke run")
-    parser.add_argument("--out", default="results")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers for the start-up part (16)")
     args = parser.parse_args(argv)
     require_gpu("capture_time")

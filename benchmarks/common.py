@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import statistics
@@ -12,7 +13,39 @@ from pathlib import Path
 import torch
 
 import breakgraph as bg
+from breakgraph.command_line import refuse_unknown_arguments, write_problem
 from breakgraph.runtime import cuda_problem
+
+
+class BenchmarkParser(argparse.ArgumentParser):
+    """argparse, but an unknown option is answered with the closest one the benchmark takes."""
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            refuse_unknown_arguments(self, unknown)
+        return parsed
+
+
+def benchmark_parser(name: str, description: str, command: str | None = None) -> BenchmarkParser:
+    """A benchmark's parser, with the ``--out`` folder every benchmark writes to.
+
+    Its usage line gives ``command`` (default ``python3 -m benchmarks.<name>``): argparse's own,
+    the file's path, fails to import ``benchmarks``. ``--out`` is checked when the command line
+    is read, not when the results are written at the end of a run.
+    """
+    parser = BenchmarkParser(
+        prog=command or f"python3 -m benchmarks.{name}", description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=_out_folder, default="results", metavar="FOLDER", help="where the results go, made if missing (default results)")
+    return parser
+
+
+def _out_folder(text: str) -> str:
+    problem = write_problem(Path(text))
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{problem}; give --out a folder you can write (it is made if missing)")
+    return text
 
 
 def require_gpu(benchmark: str) -> None:

@@ -27,12 +27,11 @@ every new shape, so a sequence that grows pays that at each of its steps,
 once per length and batch size. Full graphs, whose attention reads
 positions from the device, and the frozen lower bound keep their shapes.
 
-    python -m benchmarks.decode_step [--quick] [--out results] [--layers 16] [--batches 1 8 32 64]
+    python3 -m benchmarks.decode_step [--quick] [--out results] [--layers 16] [--batches 1 8 32 64]
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import statistics
 import time
@@ -41,7 +40,7 @@ import torch
 
 import breakgraph as bg
 from breakgraph.runtime import run_on_stream
-from benchmarks.common import device_meta, plot_grouped_bars, require_gpu, time_per_call_us, time_variants, write_outputs
+from benchmarks.common import benchmark_parser, device_meta, plot_grouped_bars, require_gpu, time_per_call_us, time_variants, write_outputs
 from benchmarks.decoder import (
     AttentionMetadata,
     Decoder,
@@ -241,9 +240,8 @@ def gap_breakdown(step: Step, us: dict, iters: int) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser("decode_step", __doc__)
     parser.add_argument("--quick", action="store_true", help="small smoke run: 2 layers, batches 1 and 8")
-    parser.add_argument("--out", default="results")
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--batches", type=int, nargs="+", default=None)
     args = parser.parse_args(argv)

@@ -15,12 +15,11 @@ for a second shape (hidden 4096, 8 layers), side by side in one run:
   (``keep_graphs=True``) and for everything, with ``cudaDeviceGraphMemTrim``
   after the first; every restore's replays compared bit for bit with before.
 
-    python -m benchmarks.graph_memory [--quick] [--out results]
+    python3 -m benchmarks.graph_memory [--quick] [--out results]
 """
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing
 import time
 
@@ -31,7 +30,7 @@ import breakgraph_bindings as bindings
 
 from breakgraph.pool import PoolUsage
 
-from benchmarks.common import device_meta, require_gpu, time_variants, write_outputs
+from benchmarks.common import benchmark_parser, device_meta, require_gpu, time_variants, write_outputs
 from benchmarks.decoder import BatchInputs, Decoder, DecoderConfig, attention_break, check_sizes, runner_replay
 
 LENGTH = 1015
@@ -207,9 +206,8 @@ def measure_model(name: str, config: DecoderConfig, sizes: list[int]) -> tuple[l
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser("graph_memory", __doc__)
     parser.add_argument("--quick", action="store_true", help="2-layer models at sizes up to 32")
-    parser.add_argument("--out", default="results")
     args = parser.parse_args(argv)
     require_gpu("graph_memory")
     sizes = bg.default_capture_sizes(32 if args.quick else 256)

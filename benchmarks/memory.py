@@ -15,14 +15,13 @@ against eager before the pool is measured.
 
 from __future__ import annotations
 
-import argparse
 import functools
 
 import torch
 
 import breakgraph as bg
 
-from benchmarks.common import device_meta, plot_lines, require_gpu, write_outputs
+from benchmarks.common import benchmark_parser, device_meta, plot_lines, require_gpu, write_outputs
 from benchmarks.decoder import (
     BatchInputs,
     Decoder,
@@ -41,9 +40,8 @@ LENGTH = 1015
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser("memory", __doc__)
     parser.add_argument("--quick", action="store_true", help="small smoke run: 2 layers, sizes 1, 2, 4, 8")
-    parser.add_argument("--out", default="results")
     parser.add_argument("--layers", type=int, default=None)
     args = parser.parse_args(argv)
     require_gpu("memory")

@@ -13,14 +13,12 @@ replay().
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
 import breakgraph_bindings as bindings
 import breakgraph as bg
 from breakgraph.runtime import run_on_stream
-from benchmarks.common import device_meta, noop, plot_grouped_bars, replay_each, require_gpu, time_variants, write_outputs
+from benchmarks.common import benchmark_parser, device_meta, noop, plot_grouped_bars, replay_each, require_gpu, time_variants, write_outputs
 from benchmarks.peers import META, capture_meta_region, load_meta, meta_ratios
 
 
@@ -96,9 +94,8 @@ def check(variants, n, x):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser("replay_overhead", __doc__)
     parser.add_argument("--quick", action="store_true", help="small smoke run")
-    parser.add_argument("--out", default="results")
     args = parser.parse_args(argv)
     require_gpu("replay_overhead")
     sizes = [8, 64] if args.quick else [8, 64, 256]

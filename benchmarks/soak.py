@@ -21,7 +21,6 @@ does not wait for ``empty_cache()`` to come back.
 
 from __future__ import annotations
 
-import argparse
 import random
 import time
 
@@ -29,7 +28,7 @@ import torch
 
 import breakgraph as bg
 
-from benchmarks.common import device_meta, require_gpu, write_outputs
+from benchmarks.common import benchmark_parser, device_meta, require_gpu, write_outputs
 from benchmarks.decoder import BatchInputs, Decoder, DecoderConfig, assert_matches_eager, attention_break
 
 LENGTH = 1015
@@ -120,10 +119,9 @@ def soak(steps: int, config: DecoderConfig, seed: int = 0) -> tuple[list[dict], 
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser("soak", __doc__)
     parser.add_argument("--quick", action="store_true", help="5,000 steps of a 2-layer decoder")
     parser.add_argument("--steps", type=int, default=None, help="steps to run (default 100,000; 5,000 with --quick)")
-    parser.add_argument("--out", default="results")
     args = parser.parse_args(argv)
     require_gpu("soak")
     steps = args.steps or (5_000 if args.quick else 100_000)

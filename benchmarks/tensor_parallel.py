@@ -81,7 +81,7 @@ import torch
 import torch.distributed as dist
 
 import breakgraph as bg
-from benchmarks.common import device_meta, plot_grouped_bars, require_gpu, time_variants, write_outputs
+from benchmarks.common import benchmark_parser, device_meta, plot_grouped_bars, require_gpu, time_variants, write_outputs
 from benchmarks.decode_step import FROZEN_LENGTH, LIVE_LENGTHS, Step
 from benchmarks.decoder import (
     AttentionMetadata,
@@ -607,9 +607,8 @@ def start() -> TensorParallel:
 
 
 def parse(argv) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser("tensor_parallel", __doc__, command="torchrun --nproc-per-node T -m benchmarks.tensor_parallel")
     parser.add_argument("--quick", action="store_true", help="smoke run: batches 1 and 8, fewer steps, a 2-layer Llama")
-    parser.add_argument("--out", default="results")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="what to measure (default: all three)")
     parser.add_argument("--layers", type=int, default=16, help="the decoder's layers (16)")
     parser.add_argument("--batches", type=int, nargs="+", default=None, help="the decode step's batch sizes (1 8 32)")

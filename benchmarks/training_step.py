@@ -19,14 +19,12 @@ the same seeds: the same generator offsets draw the same dropout masks.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import breakgraph as bg
-from benchmarks.common import device_meta, plot_grouped_bars, require_gpu, time_alternated, write_outputs
+from benchmarks.common import benchmark_parser, device_meta, plot_grouped_bars, require_gpu, time_alternated, write_outputs
 from benchmarks.peers import META, load_meta, meta_ratios
 from breakgraph.runtime import run_on_stream
 
@@ -188,9 +186,8 @@ class Captured:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser("training_step", __doc__)
     parser.add_argument("--quick", action="store_true", help="small smoke run")
-    parser.add_argument("--out", default="results")
     args = parser.parse_args(argv)
     require_gpu("training_step")
     rounds = 20 if args.quick else ROUNDS

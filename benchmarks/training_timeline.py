@@ -14,19 +14,18 @@ timings of ``training_step``. Writes the table, JSON, a plot of one step of
 each graph variant side by side at the first shape, and one Chrome trace per variant and shape
 (open in https://ui.perfetto.dev).
 
-    python -m benchmarks.training_timeline [--quick] [--out results] [--steps 20] [--shapes small|all]
+    python3 -m benchmarks.training_timeline [--quick] [--out results] [--steps 20] [--shapes small|all]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import device_meta, require_gpu, write_outputs
+from benchmarks.common import benchmark_parser, device_meta, require_gpu, write_outputs
 from benchmarks.peers import load_meta
 from benchmarks.training_step import Captured, Trainer
 
@@ -123,9 +122,8 @@ def summarize(steps: list[dict]) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser("training_timeline", __doc__)
     parser.add_argument("--quick", action="store_true", help="small smoke run")
-    parser.add_argument("--out", default="results")
     parser.add_argument("--steps", type=int, default=20, help="profiled steps per variant")
     parser.add_argument("--shapes", choices=sorted(SHAPES), default="small")
     args = parser.parse_args(argv)

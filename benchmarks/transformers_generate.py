@@ -71,7 +71,7 @@ import time
 import torch
 from torch._dynamo.utils import counters
 
-from benchmarks.common import device_meta, require_gpu, write_outputs
+from benchmarks.common import benchmark_parser, device_meta, require_gpu, write_outputs
 from breakgraph import hf
 
 VARIANTS = {
@@ -199,7 +199,7 @@ def run_fresh(variant: str, batch: int, args) -> dict:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{caches}/inductor", TRITON_CACHE_DIR=f"{caches}/triton")
         command = [sys.executable, "-m", "benchmarks.transformers_generate", "--one", variant, "--batches", str(batch), "--result", result.name]
         command += ["--prompt", str(args.prompt), "--new", str(args.new), "--dtype", args.dtype, "--repeats", str(args.repeats)]
-        command += ["--quick"] if args.quick else []
+        command += ["--out", args.out] + (["--quick"] if args.quick else [])  # the child checks --out as the parent did
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
         if done.returncode != 0:
             raise RuntimeError(f"{VARIANTS[variant]} at batch {batch} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
@@ -310,9 +310,8 @@ def draw(ax, rows, new: int):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser("transformers_generate", __doc__)
     parser.add_argument("--quick", action="store_true", help="small smoke run: a 2-layer model, 16-token prompts, 16 new tokens")
-    parser.add_argument("--out", default="results")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (128)")
     parser.add_argument("--new", type=int, default=None, help="new tokens (128)")

@@ -1,11 +1,13 @@
-"""``python -m breakgraph demo``: capture a small transformer whose attention is an eager break."""
+"""``python3 -m breakgraph demo``: capture a small transformer whose attention is an eager break."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 import warnings
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +15,7 @@ from torch import nn
 
 import breakgraph as bg
 from breakgraph import diagnostics, runtime
+from breakgraph.command_line import write_problem
 
 
 @bg.eager_on_graph
@@ -78,22 +81,27 @@ def _positive(text: str) -> int:
     return value
 
 
+def _plot_path(text: str) -> str:
+    """Refuse at once a plot path that the run could only fail to write at its end."""
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give --plot a file in it, e.g. {Path(text) / 'breakgraph_profile.png'}")
+    problem = write_problem(Path(text).parent)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"cannot write {text}: {problem}; give --plot a path in a folder you can write")
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=_positive, default=8, metavar="N", help="sequences per step (default 8)")
     parser.add_argument("--seq", type=_positive, default=32, metavar="N", help="tokens per sequence (default 32)")
     parser.add_argument("--iters", type=_positive, default=50, metavar="N", help="timed steps per variant (default 50)")
     parser.add_argument(
         "--plot",
+        type=_plot_path,
         default="breakgraph_profile.png",
         metavar="PATH",
         help="where to write the per-segment profile plot (GPU only; default breakgraph_profile.png)",
     )
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m breakgraph demo", description=__doc__)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -131,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         diagnostics.summary(graph)
         rows = diagnostics.profile(graph, iters=20)
         print(diagnostics.format_profile(rows))
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)  # checked when the command line was read
         print(f"profile plot: {diagnostics.plot_profile(rows, args.plot)}")
         print(f"time per step: eager {eager_ms:.3f} ms, breakable replay {replay_ms:.3f} ms ({eager_ms / replay_ms:.2f}x)")
     else:

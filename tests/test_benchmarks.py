@@ -1,9 +1,11 @@
 """The benchmarks and the worked example without a GPU: they say what they need and exit with
-status 2 (argparse's status for a bad command line), never with torch's errors; the parts of
+status 2 (argparse's status for a bad command line), never with torch's errors; their command
+lines (the usage line, --out checked before measuring, a misspelt option's likely meaning); the parts of
 the cold measurements that need no GPU (which lengths are cold, the ratios, the plots); and the
 tensor-parallel benchmark's sharded decoder, checked against the whole one on CPU threads standing
 for ranks, its ratios and its outputs."""
 
+import importlib
 import os
 import subprocess
 import sys
@@ -56,6 +58,86 @@ def test_without_a_gpu_a_benchmark_says_it_needs_one_and_exits_2(name, benchmark
     assert f"python3 -m benchmarks.{name} needs a CUDA GPU" in stderr and "nothing was measured" in stderr
     assert "Traceback" not in stderr
     assert not list(out.glob(f"{name}*")), "a benchmark without a GPU wrote results"
+
+
+class Measuring(Exception):
+    """Raised where a benchmark would begin: nothing is measured."""
+
+
+def benchmark_main(name: str, monkeypatch):
+    """``name``'s main, stopped with Measuring once its command line is read."""
+    if name == "transformers_generate":
+        pytest.importorskip("transformers", reason="the transformers extra is not installed")
+    module = importlib.import_module(f"benchmarks.{name}")
+
+    def measuring(benchmark):
+        raise Measuring(benchmark)
+
+    monkeypatch.setattr(module, "require_gpu", measuring)
+    return module.main
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_a_benchmarks_usage_line_is_the_command_that_runs_it(name, monkeypatch, capsys):
+    with pytest.raises(SystemExit) as leaving:
+        benchmark_main(name, monkeypatch)(["--help"])
+    usage = capsys.readouterr().out.splitlines()[0]
+    assert leaving.value.code == 0
+    if name == "tensor_parallel":  # the command its docstring gives: torchrun starts the ranks
+        assert usage == "usage: torchrun --nproc-per-node T -m benchmarks.tensor_parallel"
+    else:
+        assert usage.startswith(f"usage: python3 -m benchmarks.{name} [-h] [--out FOLDER]")  # not the file, which cannot import benchmarks
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_a_benchmark_refuses_an_out_folder_it_cannot_make_before_measuring(name, monkeypatch, tmp_path, capsys):
+    main, blocker = benchmark_main(name, monkeypatch), tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as leaving:
+        main(["--quick", "--out", str(blocker / "results")])
+    assert leaving.value.code == 2
+    assert (
+        f"error: argument --out: {blocker / 'results'} cannot be made: {blocker} is a file; give --out a folder you can write "
+        "(it is made if missing)"
+    ) in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_a_benchmark_takes_an_out_folder_it_can_make_without_making_it_before_measuring(name, monkeypatch, tmp_path):
+    with pytest.raises(Measuring):
+        benchmark_main(name, monkeypatch)(["--quick", "--out", str(tmp_path / "new" / "results")])
+    assert not (tmp_path / "new").exists()  # made only when there are results to write
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc, where no file can be made")
+def test_a_benchmark_says_why_an_out_folder_cannot_be_made(monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        benchmark_main("replay_overhead", monkeypatch)(["--out", "/proc/nonexistent"])
+    assert capsys.readouterr().err.endswith(
+        "python3 -m benchmarks.replay_overhead: error: argument --out: /proc/nonexistent does not exist and cannot be made in /proc "
+        "(No such file or directory); give --out a folder you can write (it is made if missing)\n"
+    )
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_a_benchmark_names_the_option_a_misspelt_one_meant(name, monkeypatch, capsys):
+    with pytest.raises(SystemExit) as leaving:
+        benchmark_main(name, monkeypatch)(["--quik"])
+    assert leaving.value.code == 2
+    assert "error: unrecognized arguments: --quik; did you mean --quick?" in capsys.readouterr().err
+
+
+def test_transformers_generates_children_check_the_parents_out_folder(monkeypatch, tmp_path):
+    pytest.importorskip("transformers", reason="the transformers extra is not installed")
+    from benchmarks import transformers_generate as bench
+
+    commands = []
+    monkeypatch.setattr(bench.subprocess, "run", lambda command, **_: commands.append(command) or subprocess.CompletedProcess(command, 1, "", ""))
+    args = bench.benchmark_parser("transformers_generate", "").parse_args(["--out", str(tmp_path)])
+    args.prompt, args.new, args.dtype, args.repeats, args.quick = 16, 16, "float32", 1, True
+    with pytest.raises(RuntimeError):
+        bench.run_fresh("eager", 1, args)
+    assert commands[0][commands[0].index("--out") + 1] == str(tmp_path)
 
 
 def example(*args) -> subprocess.CompletedProcess:
