@@ -90,7 +90,7 @@ class GraphedCallable:
         reason = runtime.eager_fallback_reason()
         if reason is not None:
             if warn:
-                warnings.warn(f"breakgraph: {reason}; {function_name(fn)} runs eagerly on every replay", stacklevel=3)
+                runtime.warn_user(f"breakgraph: {reason}; {function_name(fn)} runs eagerly on every replay")
             self.output = fn(*args, **kwargs)
             self._write_eager_result = make_writer(function_name(fn), self.output)
         else:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import warnings
 from typing import Any, Callable, Hashable, Sequence
 
 import torch
@@ -92,7 +91,7 @@ class GraphRunner:
         self._memory = RunnerMemory(self._policy, self.keys, self.options.share_executables)
         self._logged_eager = False
         if self.eager_reason is not None:
-            warnings.warn(f"breakgraph: {self.eager_reason}; GraphRunner runs {function_name(fn)} eagerly", stacklevel=2)
+            runtime.warn_user(f"breakgraph: {self.eager_reason}; GraphRunner runs {function_name(fn)} eagerly")
 
     @property
     def graphs(self) -> dict[tuple[Hashable, int], BreakableCUDAGraph]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 import threading
 import warnings
 from typing import Callable, TypeVar
@@ -83,6 +84,18 @@ def cuda_problem() -> str | None:
 def cuda_available() -> bool:
     """True when torch sees a GPU and cuda-python can talk to its driver."""
     return cuda_problem() is None
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def warn_user(message: str) -> None:
+    """``warnings.warn(message)`` pointing at the first line outside breakgraph: a runner that
+    ``hf.Generator`` makes warns at the line that made the Generator, the user's."""
+    frame, level = sys._getframe(1), 2  # stacklevel 2: warn_user's caller
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, stacklevel=level)
 
 
 def eager_fallback_reason() -> str | None:

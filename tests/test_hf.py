@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -177,12 +178,54 @@ def test_mistakes_are_refused_with_what_to_do(model):
         gen.generate(torch.zeros(0, 4, dtype=torch.long), 2)
     with pytest.raises(ValueError, match="go above max_batch_size 2"):
         generator(model, max_batch_size=2, capture_sizes=[1, 4])
+    with pytest.raises(ValueError, match=r"capture_sizes is empty: give the batch sizes to capture, such as \[1, 2, 4\]"):
+        generator(model, capture_sizes=[])
     model.train()
     try:
         with pytest.raises(ValueError, match="eval"):
             hf.Generator(model, max_length=32)
     finally:
         model.eval()
+
+
+@pytest.mark.parametrize(
+    "not_a_causal_lm", [lambda model: object(), lambda model: model.model], ids=["object", "LlamaModel, no generation head"]
+)
+def test_a_model_that_is_not_a_causal_lm_is_refused_with_what_it_takes(model, not_a_causal_lm):
+    refused = not_a_causal_lm(model)
+    with pytest.raises(TypeError, match=(
+        r"Generator takes a transformers causal LM: a PreTrainedModel with a generation head, as "
+        rf"AutoModelForCausalLM.from_pretrained\(...\) loads; got {type(refused).__name__}$"
+    )):
+        hf.Generator(refused, max_length=16)
+
+
+@pytest.mark.parametrize(
+    "prompts, bad, row, position",
+    [([[5, 6, 7, 300]], 300, 0, 3), ([[5, 6, 7, 8], [9, -1, 10, 11]], -1, 1, 1)],
+    ids=["the vocabulary's size", "negative"],
+)
+def test_a_token_id_outside_the_vocabulary_is_refused_before_it_reaches_the_model(model, prompts, bad, row, position):
+    gen = generator(model, max_batch_size=2, max_length=16)
+    with pytest.raises(ValueError, match=(
+        rf"input_ids holds token id {bad} \(row {row}, position {position}\), outside the model's vocabulary "
+        r"of 300 tokens \(ids 0 to 299\): tokenize with the model's own tokenizer"
+    )):
+        gen.generate(torch.tensor(prompts), 2)
+    ids = torch.tensor([[0, 5, 299]])  # the vocabulary's ends are in it
+    assert torch.equal(gen.generate(ids, 4), transformers_eager_generate(model, ids, 4))
+
+
+def test_the_no_gpu_warnings_point_to_the_line_that_made_the_generator(model):
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU the runners capture, and have nothing to warn of")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gen = generator(model, max_batch_size=2, max_length=16)
+        gen.generate(torch.randint(0, 300, (1, 4)), 2)
+    eager = [warning for warning in caught if "no CUDA GPU is available" in str(warning.message)]
+    assert len(eager) == 2, [str(warning.message) for warning in caught]  # the greedy step's runner, the sampling step's
+    assert {warning.filename for warning in eager} == {__file__}
 
 
 def test_the_worked_example_runs_without_a_gpu(tmp_path):

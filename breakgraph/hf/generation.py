@@ -41,6 +41,12 @@ def _cache_keyword(model: PreTrainedModel) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def _is_causal_lm(model: Any) -> bool:
+    """Whether ``model`` is a transformers model that makes its next token's logits from the tokens
+    so far: a PreTrainedModel with a generation head (what the Generator's steps call), no encoder."""
+    return isinstance(model, PreTrainedModel) and model.can_generate() and not model.config.is_encoder_decoder
+
+
 def _takes_cache_position(model: PreTrainedModel) -> bool:
     """Whether the model's forward takes ``cache_position`` (older transformers): without it, such
     a forward reads the cache's length on the host to make them, which a compiled forward would
@@ -71,7 +77,7 @@ class Generator:
         mode (str, default "breakable"): the runner's graph mode: "breakable" (attention an eager
             break between segments, reading each row's length on the host) or "full" (one graph
             per size, attention over the whole cache under a device mask).
-        capture_sizes (sequence of int, optional): the batch sizes to capture, none above
+        capture_sizes (sequence of int, optional): the batch sizes to capture, at least one, none above
             ``max_batch_size``; by default the runner's (1, 2, 4, 8, then every multiple of 8).
         progress (bool, default True): show the runner's capture progress bar.
         debug (bool, optional): the runner's debug mode; None: ``BREAKGRAPH_DEBUG``.
@@ -115,6 +121,11 @@ class Generator:
         compile: bool | dict = False,
         compile_in_background: bool = False,
     ):
+        if not _is_causal_lm(model):
+            raise TypeError(
+                "Generator takes a transformers causal LM: a PreTrainedModel with a generation head, as "
+                f"AutoModelForCausalLM.from_pretrained(...) loads; got {type(model).__name__}"
+            )
         require_count("max_length", max_length, least=2)
         require_count("max_batch_size", max_batch_size)
         require_choice("mode", mode, ("breakable", "full"))
@@ -129,6 +140,11 @@ class Generator:
         require_bool("compile_in_background", compile_in_background)
         if compile_in_background and compiling is None:
             raise ValueError("compile_in_background=True compiles the decode step: give compile=True (or torch.compile's keywords) too")
+        if capture_sizes is not None and len(capture_sizes) == 0:
+            raise ValueError(
+                "capture_sizes is empty: give the batch sizes to capture, such as [1, 2, 4], or leave it out "
+                "for the default (1, 2, 4, 8, then every multiple of 8 up to max_batch_size)"
+            )
         if capture_sizes is not None and max(capture_sizes) > max_batch_size:
             raise ValueError(f"capture_sizes {list(capture_sizes)} go above max_batch_size {max_batch_size}: raise max_batch_size")
         parameter = next(model.parameters())
@@ -161,10 +177,10 @@ class Generator:
             options |= dict(group=group, agree_batches=False)
         if self._compiled is not None:
             options["warmup"] = 1  # each size runs before its capture: a size that compiles again does so outside it
-        self.runner = bg.GraphRunner(self._decode_step, static, capture_sizes, **options)
         # The sampling graphs draw from this generator, whatever the call draws from: a graph
         # draws from the generators it was captured with (see _drawing_from).
         self._draws = torch.Generator(device=self.device)
+        self.runner = bg.GraphRunner(self._decode_step, static, capture_sizes, **options)
         self.sampling_runner = bg.GraphRunner(
             self._sampling_step,
             {name: torch.zeros_like(buffer) for name, buffer in static.items()} | Sampling().rows(max_batch_size, self.device),
@@ -377,7 +393,8 @@ class Generator:
         """New tokens after ``input_ids``, as ``model.generate()`` returns them: greedy, or drawn.
 
         Arguments:
-            input_ids (torch.Tensor): ``(n, T)`` prompts, left-padded where ``attention_mask`` says
+            input_ids (torch.Tensor): ``(n, T)`` prompts, ids of the model's vocabulary (checked: one
+                host read), left-padded where ``attention_mask`` says
                 (as transformers' tokenizers pad for generation); ``n`` at most ``max_batch_size``.
             max_new_tokens (int): new tokens per row, at most; ``T + max_new_tokens`` at most ``max_length``.
             attention_mask (torch.Tensor, optional): ``(n, T)``, zeros (padding) then ones per row;
@@ -408,6 +425,7 @@ class Generator:
             self._require_generator_on_device(generator)
         self._require_inference_with_breakgraph_attention()  # another attention would ignore the cache's lengths
         prompt_lengths = self._prompt_lengths(input_ids, attention_mask, max_new_tokens)
+        self._require_ids_in_vocabulary(input_ids)
         step = _GREEDY if not settings.do_sample else AMONG_CANDIDATES if settings.among_candidates else OVER_VOCABULARY
         ranks = self.runner.ranks  # the tensor-parallel ranks' RankGroup; None on one rank
         if ranks is not None:  # before anything runs: ranks called differently would pair unrelated collectives
@@ -527,6 +545,20 @@ class Generator:
             if real == 0 or not bool(mask[row, length - real :].all()):
                 raise ValueError(f"row {row} of attention_mask is not left-padded (zeros, then ones, at least one)")
         return lengths
+
+    def _require_ids_in_vocabulary(self, input_ids: torch.Tensor) -> None:
+        """Refuse a token id the embedding has no row for: on a GPU, its lookup would be a
+        device-side assert, which leaves the process's CUDA context unusable. One host read."""
+        vocabulary = self.model.get_input_embeddings().num_embeddings
+        lowest, highest = torch.stack(torch.aminmax(input_ids)).tolist()
+        if lowest >= 0 and highest < vocabulary:
+            return
+        bad = lowest if lowest < 0 else highest
+        row, position = (input_ids == bad).nonzero()[0].tolist()
+        raise ValueError(
+            f"input_ids holds token id {bad} (row {row}, position {position}), outside the model's vocabulary of "
+            f"{vocabulary} tokens (ids 0 to {vocabulary - 1}): tokenize with the model's own tokenizer"
+        )
 
     def _prefill(self, input_ids: torch.Tensor, prompt_lengths: list[int]) -> torch.Tensor:
         """Run the prompts eagerly into the cache; the logits of each row's last prompt token."""
