@@ -138,9 +138,12 @@ class Step:
         return runs
 
     def check(self, trials: int = 2) -> dict:
-        """Compare every variant with eager on fresh inputs; return each one's largest difference."""
+        """Compare every variant with eager on fresh inputs (the same on every tensor-parallel
+        rank); return each one's largest difference. Every variant runs before a difference is
+        raised, so that tensor-parallel ranks' collectives stay paired."""
         runs = self.runs()
         worst = dict.fromkeys(runs, 0.0)
+        failures = []
         for trial in range(trials):
             for name, run in runs.items():
                 if name == VARIANTS[0]:
@@ -148,14 +151,21 @@ class Step:
                 meta = self.frozen if name == VARIANTS[3] else self.meta
                 if meta is self.meta:
                     meta.length = LIVE_LENGTHS[(5 * trial + 3) % len(LIVE_LENGTHS)]
-                self.x.copy_(torch.randn_like(self.x))
+                self.decoder.same_on_every_rank(self.x.copy_(torch.randn_like(self.x)))
                 self.positions.fill_(meta.length)
                 expected = self.decoder.step(self.x, self.positions, meta).clone()
                 for output in self.outputs:
                     output.fill_(float("nan"))
                 got = run()
                 torch.cuda.synchronize()
-                worst[name] = max(worst[name], assert_matches_eager(got, expected, name))
+                try:
+                    worst[name] = max(worst[name], assert_matches_eager(got, expected, name))
+                except AssertionError as failure:
+                    failures.append(str(failure))
+        if failures:
+            tp = self.decoder.tp
+            rank = f"rank {tp.rank}, " if tp.world > 1 else ""
+            raise AssertionError(f"{rank}batch {self.x.shape[0]}: " + "; ".join(failures))
         return worst
 
     def timed(self, run, lengths=LIVE_LENGTHS):

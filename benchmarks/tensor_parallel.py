@@ -82,7 +82,7 @@ import torch.distributed as dist
 
 import breakgraph as bg
 from benchmarks.common import benchmark_parser, device_meta, plot_grouped_bars, require_gpu, time_variants, write_outputs
-from benchmarks.decode_step import FROZEN_LENGTH, LIVE_LENGTHS, Step
+from benchmarks.decode_step import FROZEN_LENGTH, LIVE_LENGTHS, VARIANTS, Step
 from benchmarks.decoder import (
     AttentionMetadata,
     BatchInputs,
@@ -91,7 +91,6 @@ from benchmarks.decoder import (
     MetaBreakable,
     TensorParallel,
     TorchPiecewise,
-    assert_matches_eager,
     attention,
     attention_break,
     attention_from_positions,
@@ -107,12 +106,12 @@ COLUMNS = ["part", "batch", "variant", "ms", "tokens_per_s", "max_abs_diff_vs_ea
 DECODE, CAPTURE, GENERATE = "decode step", "capture", "generate"
 SHOWN = dict(zip(PARTS, (DECODE, CAPTURE, GENERATE)))  # each part as the table's "part" column names it
 
-EAGER = "eager"
+EAGER = VARIANTS[0]  # the names Step.check knows eager and the bound by
 TORCH = "torch CUDAGraph per segment"
 BREAKABLE = "breakgraph breakable (runner)"
 AGREED = "breakgraph breakable (runner, batches agreed)"
 BARE = "breakgraph breakable (bare replay)"
-BOUND = "lower bound: monolithic graph, frozen length"
+BOUND = VARIANTS[3]
 FULL = "breakgraph full (runner)"
 FULL_BARE = "breakgraph full (bare replay)"
 FULL_BOUND = "monolithic graph, same work as full mode"
@@ -183,7 +182,8 @@ def checked_on_every_rank(check, tp: TensorParallel):
 
 class ShardedStep(Step):
     """``decode_step``'s Step on this rank's shard of the decoder: every variant captured at one
-    batch size, the runners serving the ranks of ``group``; timed by :meth:`Step.timed`."""
+    batch size, the runners serving the ranks of ``group``; checked by :meth:`Step.check` and
+    timed by :meth:`Step.timed`."""
 
     def __init__(self, decoder: Decoder, batch: int, stream: torch.cuda.Stream, meta_library, group):
         self.decoder = decoder
@@ -244,35 +244,6 @@ class ShardedStep(Step):
         runs[FULL_BARE] = lambda: (self.full_graph.replay(), self.out_full)[1]
         runs[FULL_BOUND] = lambda: (self.masked.replay(), self.out_masked)[1]
         return runs
-
-    def check(self, trials: int = 2) -> dict:
-        """Compare every variant with eager on fresh inputs, the same on every rank; return each
-        one's largest difference. Every variant runs before a difference is raised, so that the
-        ranks' collectives stay paired."""
-        runs = self.runs()
-        worst = dict.fromkeys(runs, 0.0)
-        failures = []
-        for trial in range(trials):
-            for name, run in runs.items():
-                if name == EAGER:
-                    continue
-                meta = self.frozen if name == BOUND else self.meta
-                if meta is self.meta:
-                    meta.length = LIVE_LENGTHS[(5 * trial + 3) % len(LIVE_LENGTHS)]
-                self.decoder.same_on_every_rank(self.x.copy_(torch.randn_like(self.x)))
-                self.positions.fill_(meta.length)
-                expected = self.decoder.step(self.x, self.positions, meta).clone()
-                for output in self.outputs:
-                    output.fill_(float("nan"))
-                got = run()
-                torch.cuda.synchronize()
-                try:
-                    worst[name] = max(worst[name], assert_matches_eager(got, expected, name))
-                except AssertionError as failure:
-                    failures.append(str(failure))
-        if failures:
-            raise AssertionError(f"rank {self.decoder.tp.rank}, batch {self.x.shape[0]}: " + "; ".join(failures))
-        return worst
 
 
 def decode_ratios(batch: int, us: dict, world: int) -> tuple[dict, list[str]]:
