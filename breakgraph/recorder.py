@@ -54,6 +54,7 @@ class Recorder:
         self.mode = options.capture_error_mode
         self.inline = options.breaks == "inline"
         self.barrier = options.barrier_fn
+        self.peers = self.barrier if isinstance(self.barrier, PeerBarrier) else None  # a runner's ranks
         self.record_addresses = record_addresses
         self.torch_capture: rng.TorchCapture | None = None  # the open segment, when torch records it
         self.segments: list[Segment] = []
@@ -143,7 +144,7 @@ class Recorder:
             return self._run_inline(name, function, inline, args, kwargs)
         call = f"{name}()"
         self.end_segment(following=call)
-        if self.barrier is not None and not isinstance(self.barrier, PeerBarrier):
+        if self.barrier is not None and self.peers is None:
             self.barrier()
         before = None
         run = stub or function
@@ -165,14 +166,13 @@ class Recorder:
     def _collectives_watched(self, function: Callable):
         """The barrier before each collective the break ``function`` issues, where there is a
         barrier; a runner's peers learn which break functions issue none (:class:`PeerBarrier`)."""
-        peers = self.barrier if isinstance(self.barrier, PeerBarrier) else None
-        if self.barrier is None or (peers is not None and peers.is_quiet(function)):
+        if self.barrier is None or (self.peers is not None and self.peers.is_quiet(function)):
             yield
             return
         with BarrierBeforeCollectives(self.barrier) as watch:
             yield
-        if peers is not None and not watch.collectives:
-            peers.found_quiet(function)
+        if self.peers is not None and not watch.collectives:
+            self.peers.found_quiet(function)
 
     def random_op(self, op: Callable, args: tuple, kwargs: dict) -> Any:
         """A random op the op watch met inside a segment: an eager break with
@@ -232,7 +232,7 @@ class Recorder:
         """End the last segment and close the capture's scope; the recording is the caller's now."""
         try:
             self.end_segment(following="end")
-            if self.barrier is not None and not isinstance(self.barrier, PeerBarrier):
+            if self.barrier is not None and self.peers is None:
                 self.barrier()  # a runner's peers meet as their agreement ends, right after
             segments = self._instantiated()
         except BaseException:

@@ -177,10 +177,10 @@ class Generator:
             options |= dict(group=group, agree_batches=False)
         if self._compiled is not None:
             options["warmup"] = 1  # each size runs before its capture: a size that compiles again does so outside it
+        self.runner = bg.GraphRunner(self._decode_step, static, capture_sizes, **options)
         # The sampling graphs draw from this generator, whatever the call draws from: a graph
         # draws from the generators it was captured with (see _drawing_from).
         self._draws = torch.Generator(device=self.device)
-        self.runner = bg.GraphRunner(self._decode_step, static, capture_sizes, **options)
         self.sampling_runner = bg.GraphRunner(
             self._sampling_step,
             {name: torch.zeros_like(buffer) for name, buffer in static.items()} | Sampling().rows(max_batch_size, self.device),
