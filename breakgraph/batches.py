@@ -22,6 +22,10 @@ class StaticInputs:
             raise ValueError(f"static inputs disagree on the batch dimension: {[tuple(t.shape) for t in leaves]}")
         self.buffers = buffers
         self.leaves = leaves
+        # What every call checks, kept in the form the check compares; the buffers' own order
+        # is their leaves' order where they are one tensor or a flat tuple/list of tensors.
+        self._flat = isinstance(buffers, torch.Tensor) or (isinstance(buffers, (tuple, list)) and len(buffers) == len(leaves))
+        self._fits = [(leaf.shape[1:], leaf.dtype) for leaf in leaves]
 
     @property
     def device(self) -> torch.device:
@@ -76,7 +80,19 @@ class StaticInputs:
         return type(buffers)(*args) if hasattr(buffers, "_fields") else type(buffers)(args)
 
     def check(self, inputs) -> list[torch.Tensor]:
-        """The live input tensors, in the buffers' order, after checking that they fit them."""
+        """The live input tensors, in the buffers' order, after checking that they fit them.
+
+        A step bound by the host pays for this check at every call, so a batch that fits
+        is told by one pass of attribute reads; inputs in a dict or nested containers, and
+        inputs that do not fit, go through :meth:`_check_leaf_by_leaf`, which says what is wrong."""
+        if self._flat:
+            lives = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+            if len(lives) == len(self._fits) and _fit(lives, self._fits):
+                return lives
+        return self._check_leaf_by_leaf(inputs)
+
+    def _check_leaf_by_leaf(self, inputs) -> list[torch.Tensor]:
+        """:meth:`check` taken apart: the live tensors, or the first way they do not fit, in words."""
         statics = self.leaves
         if isinstance(self.buffers, dict) and set(inputs) != set(self.buffers):
             raise ValueError(f"expected inputs {sorted(self.buffers)}, got {sorted(inputs)}")
@@ -126,8 +142,29 @@ class StaticInputs:
                 static[n:size].fill_(pad_value)
 
 
+def _fit(lives: list, fits: list) -> bool:
+    """Whether every live input is a tensor of the same non-zero rows, trailing shape and dtype
+    as its buffer's (``fits``: each buffer's trailing shape and dtype)."""
+    n = None
+    for live, (trailing, dtype) in zip(lives, fits):
+        if not isinstance(live, torch.Tensor):
+            return False
+        shape = live.shape
+        if not shape or shape[1:] != trailing or live.dtype != dtype:
+            return False
+        if n is None:
+            n = shape[0]
+        elif shape[0] != n:
+            return False
+    return n != 0
+
+
 def live_rows(output: Any, size: int, n: int, clone: bool) -> Any:
     """``output`` with every tensor whose dimension 0 is the captured ``size`` cut to ``n`` rows."""
+    if type(output) is torch.Tensor:  # the common case, without taking it apart
+        if n < size and output.dim() > 0 and output.shape[0] == size:
+            output = output[:n]
+        return output.clone() if clone else output
 
     def rows(tensor: torch.Tensor) -> torch.Tensor:
         if n < size and tensor.dim() > 0 and tensor.shape[0] == size:
