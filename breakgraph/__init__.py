@@ -15,8 +15,9 @@ from breakgraph.debug import SegmentError
 from breakgraph.dispatch import CaptureInvalidatedError, UncapturableOpError
 from breakgraph.eager import break_graph, eager_on_graph
 from breakgraph.graph import BreakableCUDAGraph
-from breakgraph.graphed import FrozenOutputWarning, GraphedCallable, graphed
+from breakgraph.graphed import GraphedCallable, graphed
 from breakgraph.options import CaptureOptions, RunnerOptions
+from breakgraph.outputs import FrozenOutputWarning
 from breakgraph.pool import pool_bytes
 from breakgraph.ranks import CaptureAgreement, PeerCaptureError, agreed_batch_size
 from breakgraph.runner import GraphRunner

@@ -19,6 +19,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from breakgraph import trees
 from breakgraph.aliasing import alias_leaves, alias_result, alias_tensor
+from breakgraph.outputs import check_output
 from breakgraph.pool import PoolUsage
 from breakgraph.segments import EagerSegment
 from breakgraph.writeback import make_writer
@@ -70,7 +71,7 @@ def record_break(
         kept = alias_tensor(result) if result.is_cuda else result
         write = make_writer(name, kept)
     else:
-        flat = trees.take_apart(result, objects=True)
+        flat = check_output(name, result, root="out", refreshed_values=True)
         guard_backward(name, flat, arg_leaves)
         kept, kept_flat = alias_result(result, flat)
         write = make_writer(name, kept, kept_flat)

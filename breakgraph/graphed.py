@@ -9,8 +9,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import numbers
-import warnings
 from typing import Any, Callable
 
 import torch
@@ -23,12 +21,9 @@ from breakgraph.eager import eager_on_graph
 from breakgraph.graph import BreakableCUDAGraph
 from breakgraph.naming import function_name
 from breakgraph.options import CaptureOptions, parse_warmup
+from breakgraph.outputs import check_output
 from breakgraph.pool import require_pool
 from breakgraph.writeback import make_writer
-
-
-class FrozenOutputWarning(UserWarning):
-    """A captured function returned a Python number: replays return its capture-time value."""
 
 
 class GraphedCallable:
@@ -38,8 +33,10 @@ class GraphedCallable:
     replays. The returned output is the capture-time object, refreshed by
     every replay: copy what you must keep. Without a GPU, or with
     ``BREAKGRAPH_DISABLE=1``, ``graph`` is None: ``fn`` runs once here and at
-    every replay, and each result is written into that first output, so the
-    contract is the same (one output object, refreshed in place).
+    every replay, and each result's tensors are written into that first output,
+    so the contract is the same (one output object, its tensors refreshed in
+    place). What else an output may hold is :mod:`breakgraph.outputs`'s rule,
+    checked at capture.
 
     Arguments:
         fn (callable): the function to capture.
@@ -78,6 +75,7 @@ class GraphedCallable:
         warmup = parse_warmup(warmup, allow_auto=False)
         if pool is not None:
             require_pool(pool)
+        _require_a_tensor_to_refill(fn, args, kwargs)
         self.fn, self.args, self.kwargs = fn, args, kwargs
         self.debug = runtime.debug_requested(debug)
         self.options = options or CaptureOptions()
@@ -92,11 +90,13 @@ class GraphedCallable:
             if warn:
                 runtime.warn_user(f"breakgraph: {reason}; {function_name(fn)} runs eagerly on every replay")
             self.output = fn(*args, **kwargs)
-            self._write_eager_result = make_writer(function_name(fn), self.output)
+            check_output(function_name(fn), self.output)
+            # Tensors only, as a graph's replay refreshes them: values stay the first call's.
+            self._write_eager_result = make_writer(function_name(fn), self.output, replace_values=False)
         else:
             self.graph = BreakableCUDAGraph(pool=pool, debug=self.debug)
             self._capture(warmup)
-        warn_frozen_numbers(fn, self.output)
+            check_output(function_name(fn), self.output)
 
     def _capture(self, warmup: int) -> None:
         fn, args, kwargs = self.fn, self.args, self.kwargs
@@ -150,20 +150,19 @@ class GraphedCallable:
         return self.replay()
 
 
-def warn_frozen_numbers(fn: Callable, output: Any) -> None:
-    """Say once per capture where ``output`` holds a Python number: a replay re-runs GPU work
-    only, so such a value is the capture's forever (with or without a GPU alike)."""
-    flat = trees.take_apart(output, objects=True)
-    for index, leaf in enumerate(flat.leaves):
-        if isinstance(leaf, numbers.Number):
-            warnings.warn(
-                f"breakgraph: {function_name(fn)}() returned the Python {type(leaf).__name__} {leaf!r} at "
-                f"{flat.path(index, 'output')}; every replay returns this capture-time value, since a replay "
-                "re-runs GPU work only. Return a tensor where the value must change.",
-                FrozenOutputWarning,
-                stacklevel=4,
-            )
-            return
+def _require_a_tensor_to_refill(fn: Callable, args: tuple, kwargs: dict) -> None:
+    """Refuse static arguments none of which holds a tensor: a replay re-runs the capture on
+    the same arguments, so nothing could be refilled between replays."""
+    if not args and not kwargs:  # fn reads its tensors from a closure or a module: refilled there
+        return
+    leaves, _spec = trees.flatten((args, kwargs), objects=True)
+    if not any(isinstance(leaf, torch.Tensor) for leaf in leaves):
+        raise TypeError(
+            f"none of {function_name(fn)}'s static arguments holds a tensor ({', '.join(type(leaf).__name__ for leaf in leaves)}), "
+            "so there is nothing to refill between replays: every replay would return the capture's result. Pass "
+            "the tensors it reads as static arguments and copy new values into them in place; bind other "
+            "arguments first with functools.partial(fn, ...)"
+        )
 
 
 def _device_of(args: tuple, kwargs: dict) -> torch.device:

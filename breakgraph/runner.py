@@ -15,6 +15,7 @@ from breakgraph.graph import BreakableCUDAGraph
 from breakgraph.memory import RunnerMemory
 from breakgraph.naming import function_name
 from breakgraph.options import RunnerOptions, parse_modes
+from breakgraph.outputs import check_output
 from breakgraph.policy import CapturePolicy
 from breakgraph.rank_group import RankGroup
 from breakgraph.sharing import Refusal
@@ -90,6 +91,7 @@ class GraphRunner:
         self._policy = CapturePolicy(fn, self.inputs, self.modes, self.options, self.ranks)
         self._memory = RunnerMemory(self._policy, self.keys, self.options.share_executables)
         self._logged_eager = False
+        self._output_checked = False  # without a GPU: the first output is checked as a capture's
         if self.eager_reason is not None:
             runtime.warn_user(f"breakgraph: {self.eager_reason}; GraphRunner runs {function_name(fn)} eagerly")
 
@@ -200,6 +202,9 @@ class GraphRunner:
             inputs = self.inputs.padded(inputs, rows, self.options.pad_value)
         args, kwargs = self._policy.arguments(inputs, key)
         output = self.fn(*args, **kwargs)
+        if self.eager_reason is not None and not self._output_checked:  # the rule a capture holds it to
+            check_output(function_name(self.fn), output)
+            self._output_checked = True
         return live_rows(output, rows, n, clone=False) if rows > n else output
 
     def _candidates(self, inputs: Any) -> list[Hashable]:

@@ -17,6 +17,7 @@ time they are met, so registering a user's dataclass never changes how
 from __future__ import annotations
 
 import dataclasses
+import enum
 import threading
 from typing import Any, Callable, Iterator
 
@@ -33,7 +34,7 @@ _register_lock = threading.Lock()
 
 
 def _is_object_node(value) -> bool:
-    if isinstance(value, (torch.Tensor, torch.nn.Module, type)) or callable(value):
+    if isinstance(value, (torch.Tensor, torch.nn.Module, type, enum.Enum)) or callable(value):
         return False
     if dataclasses.is_dataclass(value):
         return True
@@ -124,19 +125,26 @@ class Flat:
         """Whether some leaf sits inside a dataclass or object (not only in containers)."""
         return any(isinstance(entry, optree.GetAttrEntry) for accessor in self.accessors for entry in accessor)
 
-    def assign(self, tree: Any, index: int, value) -> bool:
-        """Put ``value`` where leaf ``index`` sits inside ``tree`` (a value of this
-        structure); False where nothing can take it (the root, or a tuple item)."""
+    def can_assign(self, index: int) -> bool:
+        """Whether :meth:`assign` can put a new value where leaf ``index`` sits: an
+        attribute, a list item or a dict value (not the root, nor a tuple item)."""
         accessor = self.accessors[index]
         if len(accessor) == 0:
             return False
+        entry = accessor[-1]
+        return isinstance(entry, optree.GetAttrEntry) or issubclass(entry.type, (list, dict))
+
+    def assign(self, tree: Any, index: int, value) -> bool:
+        """Put ``value`` where leaf ``index`` sits inside ``tree`` (a value of this
+        structure); False where nothing can take it (see :meth:`can_assign`)."""
+        if not self.can_assign(index):
+            return False
+        accessor = self.accessors[index]
         parent, entry = accessor[:-1](tree), accessor[-1]
         if isinstance(entry, optree.GetAttrEntry):
             object.__setattr__(parent, entry.name, value)  # frozen dataclasses too
-        elif isinstance(parent, (list, dict)):
-            parent[entry.entry] = value
         else:
-            return False
+            parent[entry.entry] = value
         return True
 
 

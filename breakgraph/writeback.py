@@ -27,9 +27,11 @@ may have when the result holds no buffers (None, a number, a string): the writer
 checks the type and copies nothing, so replay checks it in line. None for the others."""
 
 
-def make_writer(function_name: str, captured: Any, flat: trees.Flat | None = None) -> Writer:
+def make_writer(function_name: str, captured: Any, flat: trees.Flat | None = None, *, replace_values: bool = True) -> Writer:
     """Return ``write(result) -> bytes copied`` for a break whose capture-time result is
-    ``captured`` (``flat``: it taken apart with the objects policy, if the caller has it)."""
+    ``captured`` (``flat``: it taken apart with the objects policy, if the caller has it).
+    With ``replace_values`` False only tensors are written, and other values stay the
+    captured ones, as a graph's replay leaves them (``graphed``'s eager fallback)."""
     if captured is None:
         return _NoneWriter(function_name)
     if type(captured) is torch.Tensor:
@@ -37,7 +39,7 @@ def make_writer(function_name: str, captured: Any, flat: trees.Flat | None = Non
     flat = flat or trees.take_apart(captured, objects=True)
     if flat.spec.is_leaf() and not isinstance(captured, torch.Tensor):
         return _ValueWriter(function_name, captured)
-    return _TreeWriter(function_name, captured, flat)
+    return _TreeWriter(function_name, captured, flat, replace_values)
 
 
 def _same_storage(dst: torch.Tensor, src: torch.Tensor) -> bool:
@@ -118,16 +120,17 @@ class _TreeWriter:
 
     Tensors are copied into the captured tensors; other values replace the
     captured ones where their container can take them (lists, dicts,
-    attributes; not tuples).
+    attributes; not tuples), if ``replace_values``.
     """
 
-    __slots__ = ("function_name", "captured", "flat")
+    __slots__ = ("function_name", "captured", "flat", "replace_values")
     result_type = None
 
-    def __init__(self, function_name: str, captured: Any, flat: trees.Flat):
+    def __init__(self, function_name: str, captured: Any, flat: trees.Flat, replace_values: bool):
         self.function_name = function_name
         self.captured = captured
         self.flat = flat
+        self.replace_values = replace_values
 
     def __call__(self, result) -> int:
         flat = self.flat
@@ -143,7 +146,7 @@ class _TreeWriter:
                     _fail(self.function_name, flat.path(index, "out"), problem)
                 if new is not old and not _same_storage(old, new):
                     copies.append((old, new))
-            elif new is not old:
+            elif new is not old and self.replace_values:
                 replacements.append((index, new))
         written = 0
         with torch.no_grad():

@@ -1,0 +1,135 @@
+"""The output rule (breakgraph.outputs), without a GPU: the same refusals and warnings a capture gives."""
+
+import dataclasses
+import enum
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import breakgraph as bg
+from breakgraph.outputs import check_output
+from breakgraph.runtime import cuda_available
+
+no_gpu = pytest.mark.skipif(cuda_available(), reason="checks the no-GPU fallback (tests/gpu/test_outputs.py checks the GPU)")
+
+
+class Mode(enum.Enum):
+    DECODE = 1
+
+
+@dataclasses.dataclass
+class Result:
+    out: torch.Tensor
+    seen: object
+
+
+def frozen_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, bg.FrozenOutputWarning)]
+
+
+def checked(output, **options) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_output("step", output, **options)
+    return frozen_warnings(caught)
+
+
+@pytest.mark.parametrize(
+    "output, kind, where",
+    [
+        ({1.0}, "set", "output"),
+        ((torch.ones(2), np.ones(3)), "ndarray", "output[1]"),
+        ((i for i in range(3)), "generator", "output"),
+        ({"h": [torch.ones(1), frozenset()]}, "frozenset", "output['h'][1]"),
+        (Result(torch.ones(1), torch.nn.Linear(1, 1)), "Linear", "output.seen"),
+    ],
+)
+def test_what_a_replay_cannot_refresh_is_refused_with_its_path(output, kind, where):
+    with pytest.raises(TypeError, match=rf"step\(\) returned a {kind} at {where.replace('[', '.').replace(']', '.')}, which a replay cannot refresh"):
+        check_output("step", output)
+
+
+@pytest.mark.parametrize(
+    "output, said",
+    [
+        ((torch.ones(1), 3), "the Python int 3 at output[1]"),
+        ({"note": "done"}, "the Python str 'done' at output['note']"),
+        ([torch.ones(1), Mode.DECODE], "the Python Mode <Mode.DECODE: 1> at output[1]"),
+        (np.float32(0.5), f"the Python float32 {np.float32(0.5)!r} at output;"),
+    ],
+)
+def test_numbers_strings_and_enums_are_kept_and_said_to_be_frozen(output, said):
+    (message,) = checked(output)
+    assert said in message and "every replay returns this capture-time value" in message
+
+
+@pytest.mark.parametrize("output", [None, torch.ones(2), (torch.ones(1), None, torch.float16, torch.device("cpu"), torch.Size([2]))])
+def test_tensors_none_and_what_a_capture_fixes_pass_silently(output):
+    assert checked(output) == []
+
+
+def test_a_breaks_values_that_writeback_replaces_pass_and_the_others_do_not():
+    assert checked({"n": 3, "rows": [np.ones(2)], "meta": Result(torch.ones(1), {4})}, root="out", refreshed_values=True) == []
+    (message,) = checked((torch.ones(1), 7), root="out", refreshed_values=True)
+    assert "returned the Python int 7 at out[1]; a replay runs the break again" in message
+    with pytest.raises(TypeError, match=r"returned a set at out, which a replay cannot refresh: a replay runs the break again"):
+        check_output("attention", {1}, root="out", refreshed_values=True)
+
+
+@no_gpu
+def test_graphed_refuses_a_set_without_a_gpu_as_it_does_with_one():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the no-GPU fallback's note
+        with pytest.raises(TypeError, match=r"returned a set at output, which a replay cannot refresh"):
+            bg.graphed(lambda x: {float(x.sum())}, torch.ones(3))
+        with pytest.raises(TypeError, match=r"returned a ndarray at output\[1\]"):
+            bg.graphed(lambda x: (x * 2, x.numpy() * 2), torch.ones(3))
+
+
+@no_gpu
+def test_graphed_keeps_the_captures_numbers_without_a_gpu_as_a_graph_does():
+    x = torch.ones(3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = bg.graphed(lambda x: [x * 2, float(x.sum())], x)
+    assert any("float 3.0 at output[1]" in message for message in frozen_warnings(caught))
+    x.copy_(torch.full((3,), 5.0))
+    out = step()
+    torch.testing.assert_close(out[0], torch.full((3,), 10.0))  # the tensor refreshed
+    assert out[1] == 3.0  # the number the capture's, as a graph's replay leaves it
+
+
+@no_gpu
+def test_a_runner_without_a_gpu_holds_its_first_output_to_the_rule():
+    x = torch.zeros(8, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        runner = bg.GraphRunner(lambda x: (x + 1, {"rows": x.shape[0]}.keys()), x, capture_sizes=[8])
+        with pytest.raises(TypeError, match=r"<lambda>\(\) returned a dict_keys at output\[1\]"):
+            runner(torch.zeros(2, 4))
+        counted = bg.GraphRunner(lambda x: (x + 1, x.shape[0]), x, capture_sizes=[8])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        counted(torch.zeros(2, 4))
+        counted(torch.zeros(3, 4))
+    (message,) = frozen_warnings(caught)
+    assert "returned the Python int 2 at output[1]" in message
+
+
+def test_static_arguments_without_a_tensor_are_refused():
+    with pytest.raises(TypeError, match=r"none of .*<lambda>'s static arguments holds a tensor \(str\), so there is nothing to refill"):
+        bg.graphed(lambda x: x, "not a tensor")
+    with pytest.raises(TypeError, match=r"\(int, float\).*functools.partial"):
+        bg.graphed(lambda n, scale: n * scale, 3, scale=0.5)
+
+
+@no_gpu
+def test_a_function_that_reads_its_tensors_from_a_closure_takes_no_static_arguments():
+    weights = torch.ones(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step = bg.graphed(lambda: weights * 2)
+    weights.fill_(3.0)
+    torch.testing.assert_close(step(), torch.full((2,), 6.0))
