@@ -87,15 +87,18 @@ def cuda_available() -> bool:
 
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# torch's decorator forms of no_grad and inference_mode, which breakgraph's entry points wear:
+# a warning passes through their wrapper to the user's line.
+_TORCH_DECORATORS = torch.utils._contextlib.__file__
 
 
-def warn_user(message: str) -> None:
-    """``warnings.warn(message)`` pointing at the first line outside breakgraph: a runner that
-    ``hf.Generator`` makes warns at the line that made the Generator, the user's."""
+def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn(message, category)`` pointing at the first line outside breakgraph: a
+    runner that ``hf.Generator`` makes warns at the line that made the Generator, the user's."""
     frame, level = sys._getframe(1), 2  # stacklevel 2: warn_user's caller
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+    while frame is not None and (frame.f_code.co_filename.startswith(_PACKAGE) or frame.f_code.co_filename == _TORCH_DECORATORS):
         frame, level = frame.f_back, level + 1
-    warnings.warn(message, stacklevel=level)
+    warnings.warn(message, category, stacklevel=level)
 
 
 def eager_fallback_reason() -> str | None:

@@ -194,8 +194,9 @@ def test_a_failed_background_compile_that_a_generation_takes_is_a_warning_and_th
     gen, ids, expected = failing_compile_in_background()
     gen.generate(ids, 8)
     gen._compiling.error()  # the compile has ended
-    with pytest.warns(UserWarning, match="compiling the decode step in the background failed.*no compiler here"):
+    with pytest.warns(UserWarning, match="compiling the decode step in the background failed.*no compiler here") as caught:
         assert torch.equal(gen.generate(ids, 8), expected)
+    assert caught[0].filename == __file__  # the line that called generate(), not breakgraph's
     assert not gen.compiled and not gen.compiling
 
 

@@ -6,13 +6,13 @@ import contextlib
 import functools
 import gc
 import inspect
-import warnings
 from typing import Any, Iterator, Sequence
 
 import torch
 from transformers import PreTrainedModel
 
 import breakgraph as bg
+from breakgraph import runtime
 from breakgraph.checks import refuse_unknown, require_bool, require_choice, require_count
 from breakgraph.hf.cache import KVCache
 from breakgraph.hf.compiled import BackgroundCompile, compile_keywords, compiled_forward
@@ -367,7 +367,7 @@ class Generator:
             message = "compiling the decode step in the background failed; the Generator goes on uncompiled"
             if raise_error:
                 raise RuntimeError(message) from error
-            warnings.warn(f"breakgraph: {message}: {error!r}", stacklevel=3)
+            runtime.warn_user(f"breakgraph: {message}: {error!r}")
             return
         self._compiled_serves = True
         if self.runner.eager_reason is not None:
