@@ -133,13 +133,26 @@ class StaticInputs:
     def fill(self, live: list[torch.Tensor], size: int, pad_value: float) -> None:
         """Copy ``live`` into the first rows and pad the rest up to ``size``. A live input that is
         the buffer's own first rows (an engine that prepares its inputs in the static buffers
-        passes them as they are) is not copied onto itself."""
+        passes them as they are) is not copied onto itself. Several inputs are copied (and
+        zero-padded) by one foreach call each: every launch costs a host-bound step as much."""
         n = live[0].shape[0]
+        targets, sources = [], []
         for static, fresh in zip(self.leaves, live):
             if fresh.data_ptr() != static.data_ptr() or fresh.stride() != static.stride():
-                static[:n].copy_(fresh)
-            if n < size:
-                static[n:size].fill_(pad_value)
+                targets.append(static[:n])
+                sources.append(fresh)
+        if len(targets) > 1 and all(fresh.device == target.device for fresh, target in zip(sources, targets)):
+            torch._foreach_copy_(targets, sources)
+        else:
+            for target, fresh in zip(targets, sources):
+                target.copy_(fresh)
+        if n < size:
+            padding = [static[n:size] for static in self.leaves]
+            if len(padding) > 1 and pad_value == 0:
+                torch._foreach_zero_(padding)
+            else:
+                for rows in padding:
+                    rows.fill_(pad_value)
 
 
 def _fit(lives: list, fits: list) -> bool:

@@ -67,3 +67,30 @@ def test_buffers_on_the_meta_device_or_off_the_gpu_are_refused_where_it_matters(
         StaticInputs((torch.zeros(2), torch.zeros(2, device="meta"))).refuse_meta()
     with pytest.raises(ValueError, match="static input 0 is on cpu, but a graph replays only CUDA work"):
         StaticInputs(torch.zeros(2)).require_cuda()
+
+
+def _outcome(check, inputs):
+    try:
+        return [id(live) for live in check(inputs)]
+    except (TypeError, ValueError) as error:
+        return f"{type(error).__name__}: {error}"
+
+
+@settings(max_examples=120, deadline=None)
+@given(data=st.data())
+def test_the_one_pass_check_answers_as_the_leaf_by_leaf_check_does(data):
+    inputs = StaticInputs((torch.zeros(8, 3), torch.zeros(8, dtype=torch.long)))
+    n = data.draw(st.integers(0, 9), label="rows")
+    candidates = {
+        "fits": lambda: torch.randn(n, 3),
+        "other rows": lambda: torch.randn(max(n - 1, 0), 3),
+        "other trailing shape": lambda: torch.randn(n, 4),
+        "other dtype": lambda: torch.randn(n, 3, dtype=torch.float64),
+        "0-dim": lambda: torch.tensor(1.0),
+        "not a tensor": lambda: [[0.0] * 3] * n,
+    }
+    first = candidates[data.draw(st.sampled_from(sorted(candidates)), label="first input")]()
+    second = data.draw(st.sampled_from([torch.zeros(n, dtype=torch.long), torch.zeros(n), torch.zeros(n, 2, dtype=torch.long)]), label="second input")
+    count = data.draw(st.sampled_from([1, 2, 3]), label="inputs given")
+    given_inputs = (first, second, second)[:count]
+    assert _outcome(inputs.check, given_inputs) == _outcome(inputs._check_leaf_by_leaf, given_inputs)
