@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Sequence
 
 import torch
 
@@ -77,6 +77,57 @@ class CapturePolicy:
         self.graphed[(key, size)] = graphed
         self.capture_seconds[(key, size)] = time.perf_counter() - started
         return graphed
+
+    def capture_together(self, work: Sequence[KeySize], pool, advance: Callable[[], object]) -> bool:
+        """With ``ranks``: capture every (key, size) of ``work`` under one agreement, so that the
+        ranks meet once for them all rather than once a size, and wait for the slowest rank
+        once. True when every rank kept them all. Otherwise every rank discards them and
+        returns False, and each size is captured again under an agreement of its own, where
+        a failure is warmed up and retried, served eagerly or raised, as ``options`` say.
+        ``advance()`` after each size (a progress bar's)."""
+        measure = self.options.measure_memory
+        warmups = self._warmups_of(work)
+        seconds: list[float] = []
+
+        def attempt(index: int, barrier) -> GraphedCallable:
+            started = time.perf_counter()
+            key, size = work[index]
+            graphed = self._graphed_with(barrier, key, size, warmups[index], pool, measure)
+            seconds.append(time.perf_counter() - started)
+            advance()
+            return graphed
+
+        try:
+            made = self.ranks.capture_each(
+                [self._tags[key] + size for key, size in work], attempt,
+                discard=lambda made: [graphed.graph.reset() for graphed in made],
+            )
+        except PeerCaptureError as error:
+            if error.lost:
+                raise
+            log.info("capturing %d sizes under one agreement failed on a peer; capturing them one at a time", len(work))
+            return False
+        except Exception as error:
+            log.info("capturing %d sizes under one agreement failed (%s); capturing them one at a time", len(work), error)
+            return False
+        for key_size, graphed, took, warmup in zip(work, made, seconds, warmups):
+            self.graphed[key_size] = graphed
+            self.capture_seconds[key_size] = took
+            if warmup:
+                self.warmed_up.add(key_size)
+        return True
+
+    def _warmups_of(self, work: Sequence[KeySize]) -> list[int]:
+        """The warm-up runs before each capture of ``work`` made in one go: ``warmup`` times
+        each, or with "auto" once at each key's first size (none is retried in between)."""
+        if self.options.warmup != "auto":
+            return [self.options.warmup] * len(work)
+        seen = {key for key, _size in self.graphed}
+        warmups = []
+        for key, _size in work:
+            warmups.append(0 if key in seen else 1)
+            seen.add(key)
+        return warmups
 
     def capture_on_first_use(self, key: Hashable, size: int, pool, after: Callable[[], None]) -> GraphedCallable | None:
         """Lazy capture: capture (key, size), call ``after()`` (sharing), replay once, and

@@ -63,19 +63,46 @@ class RankGroup:
             attempt (callable): makes the capture, given the barrier to pass as ``barrier_fn``.
             discard (callable): frees what ``attempt`` made (``graph.reset``).
         """
+        (made,) = self.capture_each([tag], lambda _index, barrier: attempt(barrier), lambda made: discard(made[0]))
+        return made
+
+    def capture_each(self, tags: Sequence[int], attempt: Callable[[int, Callable[[], None]], T], discard: Callable[[list[T]], object]) -> list[T]:
+        """``attempt(index, barrier)`` for every tag in turn, under one agreement: the ranks
+        meet at its barriers and once at the end, rather than once a capture, and every
+        capture is kept on every rank, or all are raised on every rank. Each exchange
+        carries the tag of the capture it falls in, so ranks at different captures find
+        out; ``discard(made)`` frees the captures of a rank whose own succeeded, or that
+        failed part way.
+
+        Arguments:
+            tags (sequence of int): what every rank must be capturing, in order.
+            attempt (callable): makes capture ``index``, given the barrier to pass as ``barrier_fn``.
+            discard (callable): frees a list of what ``attempt`` made.
+        """
         made: list[T] = []
+
+        def drop() -> None:
+            kept = made[:]
+            made.clear()
+            if kept:
+                discard(kept)
+
         agreement = self.agreement
-        agreement.tag = tag
-        agreement.discard = lambda: made and discard(made.pop())
+        agreement.discard = drop
         try:
             with agreement:
-                made.append(attempt(self.barrier))
+                for index, tag in enumerate(tags):
+                    agreement.tag = tag
+                    made.append(attempt(index, self.barrier))
+        except BaseException:
+            drop()  # what this rank made before its own capture failed
+            raise
         finally:
             # The capture's options hold the barrier, and so the agreement: were the agreement to
-            # hold the capture on, the two would keep each other (and a graph whose collectives
+            # hold the captures on, the two would keep each other (and graphs whose collectives
             # NCCL waits for as its process group is destroyed) until a garbage collection.
             agreement.discard = None
-        return made[0]
+        return made
 
     def retry_together(self, report: int) -> bool:
         """After a capture failed on some rank (and so raised on every rank): whether every

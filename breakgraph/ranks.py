@@ -213,7 +213,7 @@ class PeerBarrier:
     a capture runs work that pairs with theirs: before each collective an eager break issues
     through ``torch.distributed``. A ``barrier_fn`` of the user's is also met before every break
     and at the capture's end; the runner's is not, since an exchange at every break would cost
-    its capture more than the breaks themselves, and its agreement's end follows the capture's.
+    its capture more than the breaks themselves, and its agreement's end follows its captures.
 
     Finding a break's collectives means watching its every op, which costs about as much
     again as the break: a break function whose capture issued none is in ``quiet`` from then

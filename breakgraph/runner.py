@@ -17,6 +17,7 @@ from breakgraph.naming import function_name
 from breakgraph.options import RunnerOptions, parse_modes
 from breakgraph.outputs import check_output
 from breakgraph.policy import CapturePolicy
+from breakgraph.progress import progress_bar
 from breakgraph.rank_group import RankGroup
 from breakgraph.sharing import Refusal
 from breakgraph.sizes import choose_size, default_capture_sizes, validate_capture_sizes
@@ -132,13 +133,15 @@ class GraphRunner:
         if self.options.lazy:
             return self
         work = sorted(((key, size) for key in wanted for size in self.sizes_by_key[key]), key=lambda item: -item[1])
-        if self.options.progress:
-            from tqdm import tqdm
-
-            work = tqdm(work, desc="breakgraph: capturing", unit="graph")
-        for key, size in work:
-            if not self._policy.done(key, size):
-                self._policy.capture(key, size, pool)
+        work = [(key, size) for key, size in work if not self._policy.done(key, size)]
+        with progress_bar(len(work), self.options.progress) as advance:
+            # Tensor-parallel ranks capture every size under one agreement, and only where that
+            # fails, each size under its own, where a failure is retried or served eagerly.
+            if self.ranks is None or len(work) < 2 or not self._policy.capture_together(work, pool, advance):
+                advance.restart()
+                for key, size in work:
+                    self._policy.capture(key, size, pool)
+                    advance()
         self._memory.share_among_sizes()
         return self
 

@@ -100,6 +100,58 @@ def test_ranks_agree_on_batch_key_call_retry_and_state(tmp_path):
         assert outcome["functional"] == [WORLD * WORLD + 1] * 2
 
 
+def _capturing_each(rank: int, store: str, results: str) -> None:
+    """capture_each with stand-ins for captures: all kept, one rank failing part way, and ranks
+    at different captures as they meet at a barrier."""
+    _join(rank, store)
+    ranks = RankGroup(None, timeout=30)
+    outcome, discarded = {}, []
+
+    def made(fail_at=None):
+        def attempt(index, barrier):
+            if index == fail_at:
+                raise RuntimeError(f"rank {rank} fails capture {index}")
+            return f"capture {index}"
+        return attempt
+
+    outcome["kept"] = ranks.capture_each([16, 8, 4], made(), discarded.append)
+    outcome["exchanges_when_kept"] = ranks.agreement.exchanges
+    try:
+        ranks.capture_each([16, 8, 4], made(fail_at=1 if rank == 2 else None), discarded.append)
+    except bg.PeerCaptureError as error:
+        outcome["raised"] = ["peer", list(error.ranks)]
+    except RuntimeError as error:
+        outcome["raised"] = ["own", str(error)]
+    outcome["discarded"], discarded = discarded, []
+
+    def at_a_barrier(index, barrier):
+        barrier()
+        return index
+
+    try:
+        ranks.capture_each([16, 8 + (rank == 1)], at_a_barrier, discarded.append)
+    except bg.PeerCaptureError as error:
+        outcome["out_of_step"] = error.out_of_step
+    outcome["discarded_out_of_step"] = discarded
+    with open(os.path.join(results, f"{rank}.json"), "w") as out:
+        json.dump(outcome, out)
+    dist.destroy_process_group()
+
+
+def test_captures_made_under_one_agreement_are_kept_on_every_rank_or_discarded_on_every_rank(tmp_path):
+    for rank, outcome in enumerate(_run(tmp_path, _capturing_each)):
+        assert outcome["kept"] == ["capture 0", "capture 1", "capture 2"]
+        assert outcome["exchanges_when_kept"] == 1  # the ranks met once, for all three
+        if rank == 2:  # failed at its second capture: raises its own error, and drops its first
+            assert outcome["raised"] == ["own", "rank 2 fails capture 1"]
+            assert outcome["discarded"] == [["capture 0"]]
+        else:  # every capture made, then all given up at the end, with the rank that failed named
+            assert outcome["raised"] == ["peer", [2]]
+            assert outcome["discarded"] == [["capture 0", "capture 1", "capture 2"]]
+        assert outcome["out_of_step"] is True  # rank 1 met the others' size-8 barrier at size 9
+        assert outcome["discarded_out_of_step"] == [[0]]  # what each had made before: the size-16 capture
+
+
 def _losing_a_peer(rank: int, store: str, results: str) -> None:
     _join(rank, store)
     ranks = RankGroup(None, timeout=20)
