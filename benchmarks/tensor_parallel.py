@@ -41,7 +41,7 @@ breakable at most 1.10x its bound at T = 2 and 4; full at most 1.02x its
 bound; every peer's step at least 1.00x breakable's.
 
 **capture**: the decoder captured by a runner at the default sizes up to 32,
-with ``group=WORLD`` (the ranks agree at every break) and without, in turns
+with ``group=WORLD`` (the ranks agree once, as the capture ends) and without, in turns
 after an untimed round; medians, each run the slowest rank's time from
 making the runner to its graphs being ready. Target: agreement adds at most 5 %.
 
