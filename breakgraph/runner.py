@@ -9,7 +9,7 @@ import torch
 
 from breakgraph import diagnostics, runtime
 from breakgraph.batches import StaticInputs, live_rows
-from breakgraph.checks import require_bool, require_callable, require_choice, require_count
+from breakgraph.checks import require_bool, require_choice, require_count
 from breakgraph.estimate import MemoryEstimate
 from breakgraph.graph import BreakableCUDAGraph
 from breakgraph.memory import RunnerMemory
@@ -20,7 +20,7 @@ from breakgraph.policy import CapturePolicy
 from breakgraph.progress import progress_bar
 from breakgraph.rank_group import RankGroup
 from breakgraph.sharing import Refusal
-from breakgraph.sizes import choose_size, default_capture_sizes, validate_capture_sizes
+from breakgraph.sizes import by_key_and_size, checked_keys, choose_size, known_keys, sizes_by_key
 
 log = logging.getLogger("breakgraph.runner")
 
@@ -82,9 +82,9 @@ class GraphRunner:
         self.inputs = StaticInputs(static_inputs)
         self.max_size = self.inputs.max_size
         self.fn = fn
-        self.keys, self.key_fn = _checked_keys(keys, key_fn)
+        self.keys, self.key_fn = checked_keys(keys, key_fn)
         self.modes = parse_modes(self.options.modes, self.keys)
-        self.sizes_by_key = _sizes_by_key(capture_sizes, self.keys, self.modes, self.max_size)
+        self.sizes_by_key = sizes_by_key(capture_sizes, self.keys, self.modes, self.max_size)
         self.eager_reason = runtime.eager_fallback_reason()
         self.inputs.refuse_meta()
         group = self.options.group
@@ -125,7 +125,7 @@ class GraphRunner:
             keys (sequence of keys, optional): capture only these keys' sizes now (the
                 others by a later call, or on first use); default: every key.
         """
-        wanted = self.keys if keys is None else _known_keys(keys, self.keys)
+        wanted = self.keys if keys is None else known_keys(keys, self.keys)
         if self.eager_reason is not None:
             return self
         self.inputs.require_cuda()
@@ -284,58 +284,13 @@ class GraphRunner:
         rows = [
             diagnostics.runner_row(key, self.modes[key], size, graphed.graph, policy.capture_seconds[(key, size)],
                                    (key, size) in policy.warmed_up, policy.first_use_seconds.get((key, size)))
-            for (key, size), graphed in sorted(policy.graphed.items(), key=_by_key_and_size)
+            for (key, size), graphed in sorted(policy.graphed.items(), key=by_key_and_size)
         ]
         failed = [
             {"key": "" if key is None else key, "mode": self.modes[key], "size": size, "reason": reason}
-            for (key, size), reason in sorted(policy.failed.items(), key=_by_key_and_size)
+            for (key, size), reason in sorted(policy.failed.items(), key=by_key_and_size)
         ]
         report = {"rows": rows, "failed": failed, "eager_reason": self.eager_reason} | self.memory()
         if print_table:
             diagnostics.print_runner_report(report, shared=self.options.share_executables)
         return report
-
-
-def _by_key_and_size(item: tuple) -> tuple[str, int]:
-    (key, size), _value = item
-    return str(key), size
-
-
-def _checked_keys(keys: Sequence[Hashable] | None, key_fn: Callable | None) -> tuple[list, Callable | None]:
-    """The runner's keys ([None] without ``keys``) and its ``key_fn``."""
-    if (keys is None) != (key_fn is None):
-        raise ValueError("give keys and key_fn together, or neither")
-    if keys is None:
-        return [None], None
-    require_callable("key_fn", key_fn)
-    if isinstance(keys, (str, bytes)) or not isinstance(keys, (list, tuple)) or not keys:
-        raise TypeError(f"keys must be a non-empty list of the graph variants' keys, got {keys!r}")
-    if len(set(keys)) != len(keys):
-        raise ValueError(f"keys must be distinct, got {list(keys)}")
-    return list(keys), key_fn
-
-
-def _known_keys(keys: Sequence[Hashable], known: list) -> list:
-    """``keys`` as a list, once each is one of ``known`` (the runner's)."""
-    if isinstance(keys, (str, bytes)) or not isinstance(keys, (list, tuple)):
-        raise TypeError(f"keys must be a list of this runner's keys, got {keys!r}")
-    unknown = [key for key in keys if key not in known]
-    if unknown:
-        raise ValueError(f"keys {unknown} are not this runner's; its keys are {known}")
-    return list(keys)
-
-
-def _sizes_by_key(capture_sizes, keys: list, modes: dict, max_size: int) -> dict[Hashable, list[int]]:
-    """Each key's batch sizes, checked: one list for all keys, or a dict with every key."""
-    if capture_sizes is None:
-        capture_sizes = default_capture_sizes(max_size)
-    if not isinstance(capture_sizes, (list, tuple, range, dict)):
-        raise TypeError(
-            f"capture_sizes must be a list of batch sizes (or a dict of key -> list), got {capture_sizes!r}; "
-            f"for one size write [{capture_sizes!r}]"
-        )
-    if not isinstance(capture_sizes, dict):
-        capture_sizes = dict.fromkeys(keys, capture_sizes)
-    if set(capture_sizes) != set(keys):
-        raise ValueError(f"capture_sizes has keys {list(capture_sizes)}, expected {keys}")
-    return {key: validate_capture_sizes(capture_sizes[key], max_size) if modes[key] != "none" else [] for key in keys}

@@ -1,9 +1,11 @@
-"""Batch sizes: which to capture, and which captured size serves a live batch."""
+"""Batch sizes and graph keys: which a runner captures, and which captured size serves a live batch."""
 
 from __future__ import annotations
 
 import bisect
-from typing import Sequence
+from typing import Callable, Hashable, Sequence
+
+from breakgraph.checks import require_callable
 
 
 def default_capture_sizes(max_size: int) -> list[int]:
@@ -46,3 +48,49 @@ def choose_size(sizes: Sequence[int], n: int) -> int | None:
     """The smallest captured size that holds ``n`` rows, or None above the largest."""
     index = bisect.bisect_left(sizes, n)
     return sizes[index] if index < len(sizes) else None
+
+
+def checked_keys(keys: Sequence[Hashable] | None, key_fn: Callable | None) -> tuple[list, Callable | None]:
+    """The runner's keys ([None] without ``keys``) and its ``key_fn``."""
+    if (keys is None) != (key_fn is None):
+        raise ValueError("give keys and key_fn together, or neither")
+    if keys is None:
+        return [None], None
+    require_callable("key_fn", key_fn)
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, (list, tuple)) or not keys:
+        raise TypeError(f"keys must be a non-empty list of the graph variants' keys, got {keys!r}")
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"keys must be distinct, got {list(keys)}")
+    return list(keys), key_fn
+
+
+def known_keys(keys: Sequence[Hashable], known: list) -> list:
+    """``keys`` as a list, once each is one of ``known`` (the runner's)."""
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, (list, tuple)):
+        raise TypeError(f"keys must be a list of this runner's keys, got {keys!r}")
+    unknown = [key for key in keys if key not in known]
+    if unknown:
+        raise ValueError(f"keys {unknown} are not this runner's; its keys are {known}")
+    return list(keys)
+
+
+def sizes_by_key(capture_sizes, keys: list, modes: dict, max_size: int) -> dict[Hashable, list[int]]:
+    """Each key's batch sizes, checked: one list for all keys, or a dict with every key."""
+    if capture_sizes is None:
+        capture_sizes = default_capture_sizes(max_size)
+    if not isinstance(capture_sizes, (list, tuple, range, dict)):
+        raise TypeError(
+            f"capture_sizes must be a list of batch sizes (or a dict of key -> list), got {capture_sizes!r}; "
+            f"for one size write [{capture_sizes!r}]"
+        )
+    if not isinstance(capture_sizes, dict):
+        capture_sizes = dict.fromkeys(keys, capture_sizes)
+    if set(capture_sizes) != set(keys):
+        raise ValueError(f"capture_sizes has keys {list(capture_sizes)}, expected {keys}")
+    return {key: validate_capture_sizes(capture_sizes[key], max_size) if modes[key] != "none" else [] for key in keys}
+
+
+def by_key_and_size(item: tuple) -> tuple[str, int]:
+    """Sort key for ``((key, size), value)`` items: by key, as text, then by size."""
+    (key, size), _value = item
+    return str(key), size
