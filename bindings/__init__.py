@@ -10,7 +10,7 @@ other project uses, so no ``bindings`` package or folder elsewhere shadows it.
 """
 
 from .errors import CudaError, check, clear_last_error
-from .streams import stream_handle, synchronize
+from .streams import HasCudaStream, StreamLike, stream_handle, synchronize
 from .capture import (
     CaptureInfo,
     CaptureMode,
@@ -33,6 +33,8 @@ __all__ = [
     "Graph",
     "GraphExec",
     "GraphUpdateRefused",
+    "HasCudaStream",
+    "StreamLike",
     "begin_capture",
     "capture_info",
     "capture_status",

@@ -9,7 +9,7 @@ from cuda.bindings import runtime as cudart
 
 from .errors import CudaError, check
 from .graph import Graph
-from .streams import stream_handle
+from .streams import StreamLike, stream_handle
 
 
 class CaptureMode(enum.Enum):
@@ -50,7 +50,7 @@ class CaptureInfo:
     dependencies: tuple[int, ...] = ()
 
 
-def begin_capture(stream, mode: CaptureMode | str = CaptureMode.GLOBAL) -> None:
+def begin_capture(stream: StreamLike, mode: CaptureMode | str = CaptureMode.GLOBAL) -> None:
     """Start capturing ``stream`` into a new graph (``cudaStreamBeginCapture``)."""
     check(
         cudart.cudaStreamBeginCapture(stream_handle(stream), CaptureMode.parse(mode).value),
@@ -58,7 +58,7 @@ def begin_capture(stream, mode: CaptureMode | str = CaptureMode.GLOBAL) -> None:
     )
 
 
-def end_capture(stream) -> Graph:
+def end_capture(stream: StreamLike) -> Graph:
     """End the capture on ``stream`` and return the captured graph (``cudaStreamEndCapture``).
 
     An invalidated capture raises ``CudaError`` (``cudaErrorStreamCaptureInvalidated``);
@@ -68,7 +68,7 @@ def end_capture(stream) -> Graph:
     return Graph(graph)
 
 
-def discard_capture(stream) -> None:
+def discard_capture(stream: StreamLike) -> None:
     """End the capture open on ``stream``, if any, and destroy what it captured (after a
     failure). An invalidated capture's error is swallowed: the stream has left capture
     mode either way, and the error that caused the failure is the one to report."""
@@ -79,13 +79,13 @@ def discard_capture(stream) -> None:
         pass
 
 
-def capture_status(stream) -> CaptureStatus:
+def capture_status(stream: StreamLike) -> CaptureStatus:
     """``cudaStreamIsCapturing``."""
     status = check(cudart.cudaStreamIsCapturing(stream_handle(stream)), "cudaStreamIsCapturing")
     return CaptureStatus(status)
 
 
-def capture_info(stream) -> CaptureInfo:
+def capture_info(stream: StreamLike) -> CaptureInfo:
     """``cudaStreamGetCaptureInfo``: status, capture id and current dependency nodes."""
     values = check(cudart.cudaStreamGetCaptureInfo(stream_handle(stream)), "cudaStreamGetCaptureInfo")
     status, capture_id, dependencies = CaptureStatus(values[0]), values[1], values[3]

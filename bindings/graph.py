@@ -9,7 +9,7 @@ import cuda.bindings
 from cuda.bindings import runtime as cudart
 
 from .errors import CudaError, check
-from .streams import stream_handle
+from .streams import StreamLike, stream_handle
 
 _SUCCESS = cudart.cudaError_t.cudaSuccess
 _EDGES_TAKE_DATA = int(cuda.bindings.__version__.split(".")[0]) >= 13  # CUDA 13 added edge data to the call
@@ -111,11 +111,11 @@ class GraphExec:
         self.handle = handle
         self._finalizer = weakref.finalize(self, _destroy_quietly, cudart.cudaGraphExecDestroy, handle)
 
-    def launch(self, stream) -> None:
+    def launch(self, stream: StreamLike) -> None:
         """Launch on ``stream`` (``cudaGraphLaunch``)."""
         check(cudart.cudaGraphLaunch(self.handle, stream_handle(stream)), "cudaGraphLaunch")
 
-    def upload(self, stream) -> None:
+    def upload(self, stream: StreamLike) -> None:
         """Upload to the device ahead of the first launch (``cudaGraphUpload``)."""
         check(cudart.cudaGraphUpload(self.handle, stream_handle(stream)), "cudaGraphUpload")
 

@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+from typing import Protocol, Union
+
 from cuda.bindings import runtime as cudart
 
 from .errors import check
 
+
+class HasCudaStream(Protocol):
+    """A stream object that holds its raw handle as ``cuda_stream`` (``torch.cuda.Stream``)."""
+
+    cuda_stream: int
+
+
+StreamLike = Union[cudart.cudaStream_t, int, HasCudaStream]
+"""What every call here takes as a stream: a ``cudaStream_t``, a raw handle, or a stream object."""
+
 _HANDLES: dict[int, cudart.cudaStream_t] = {}
 
 
-def stream_handle(stream) -> cudart.cudaStream_t:
+def stream_handle(stream: StreamLike) -> cudart.cudaStream_t:
     """Return a ``cudaStream_t`` for ``stream``.
 
     Accepts a ``cudaStream_t``, an integer handle, or any object with a
@@ -29,6 +41,6 @@ def stream_handle(stream) -> cudart.cudaStream_t:
     return handle
 
 
-def synchronize(stream) -> None:
+def synchronize(stream: StreamLike) -> None:
     """Wait for all work on ``stream`` (``cudaStreamSynchronize``); errors name the CUDA error."""
     check(cudart.cudaStreamSynchronize(stream_handle(stream)), "cudaStreamSynchronize")

@@ -60,7 +60,7 @@ class CapturePolicy:
         """Whether (key, size) was captured, or its capture failed and it is served eagerly."""
         return (key, size) in self.graphed or (key, size) in self.failed
 
-    def capture(self, key: Hashable, size: int, pool, measure: bool | None = None) -> GraphedCallable | None:
+    def capture(self, key: Hashable, size: int, pool: torch.cuda.MemPool, measure: bool | None = None) -> GraphedCallable | None:
         """Capture (key, size) into ``pool``, measuring its executables' memory if ``measure``
         (default: the runner's ``measure_memory``). With ``on_capture_error="eager"`` a
         failure is logged and remembered, and None returned: the size is served eagerly."""
@@ -78,7 +78,7 @@ class CapturePolicy:
         self.capture_seconds[(key, size)] = time.perf_counter() - started
         return graphed
 
-    def capture_together(self, work: Sequence[KeySize], pool, advance: Callable[[], object]) -> bool:
+    def capture_together(self, work: Sequence[KeySize], pool: torch.cuda.MemPool, advance: Callable[[], object]) -> bool:
         """With ``ranks``: capture every (key, size) of ``work`` under one agreement, so that the
         ranks meet once for them all rather than once a size, and wait for the slowest rank
         once. True when every rank kept them all. Otherwise every rank discards them and
@@ -129,7 +129,7 @@ class CapturePolicy:
             seen.add(key)
         return warmups
 
-    def capture_on_first_use(self, key: Hashable, size: int, pool, after: Callable[[], None]) -> GraphedCallable | None:
+    def capture_on_first_use(self, key: Hashable, size: int, pool: torch.cuda.MemPool, after: Callable[[], None]) -> GraphedCallable | None:
         """Lazy capture: capture (key, size), call ``after()`` (sharing), replay once, and
         remember how long the whole first use took."""
         started = time.perf_counter()
@@ -145,7 +145,7 @@ class CapturePolicy:
         """Drop every graph (the runner releases its memory); failures are kept."""
         self.graphed.clear()
 
-    def _warm_up_and_capture(self, key: Hashable, size: int, pool, measure: bool) -> GraphedCallable:
+    def _warm_up_and_capture(self, key: Hashable, size: int, pool: torch.cuda.MemPool, measure: bool) -> GraphedCallable:
         warmup = self.options.warmup
         if warmup != "auto":
             graphed = self._graphed_at(key, size, warmup, pool, measure)
@@ -178,7 +178,7 @@ class CapturePolicy:
             return not error.lost and self.ranks.retry_together(KEEP)
         return self.ranks.retry_together(RETRY if retryable else GIVE_UP)
 
-    def _graphed_at(self, key: Hashable, size: int, warmup: int, pool, measure: bool) -> GraphedCallable:
+    def _graphed_at(self, key: Hashable, size: int, warmup: int, pool: torch.cuda.MemPool, measure: bool) -> GraphedCallable:
         if self.ranks is None:
             return self._graphed_with(None, key, size, warmup, pool, measure)
         return self.ranks.capture(
@@ -187,7 +187,9 @@ class CapturePolicy:
             discard=lambda graphed: graphed.graph.reset(),
         )
 
-    def _graphed_with(self, barrier, key: Hashable, size: int, warmup: int, pool, measure: bool) -> GraphedCallable:
+    def _graphed_with(
+        self, barrier: Callable[[], None] | None, key: Hashable, size: int, warmup: int, pool: torch.cuda.MemPool, measure: bool
+    ) -> GraphedCallable:
         args, kwargs = self.arguments(self.inputs.views(size), key)
         breaks = "inline" if self.modes[key] == "full" else "eager"
         options = self.options.capture(breaks, measure, barrier)

@@ -66,7 +66,9 @@ class RankGroup:
         (made,) = self.capture_each([tag], lambda _index, barrier: attempt(barrier), lambda made: discard(made[0]))
         return made
 
-    def capture_each(self, tags: Sequence[int], attempt: Callable[[int, Callable[[], None]], T], discard: Callable[[list[T]], object]) -> list[T]:
+    def capture_each(
+        self, tags: Sequence[int], attempt: Callable[[int, Callable[[], None]], T], discard: Callable[[list[T]], object]
+    ) -> list[T]:
         """``attempt(index, barrier)`` for every tag in turn, under one agreement: the ranks
         meet at its barriers and once at the end, rather than once a capture, and every
         capture is kept on every rank, or all are raised on every rank. Each exchange

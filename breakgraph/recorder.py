@@ -47,7 +47,7 @@ class Recorder:
     a capture torch began can draw random numbers that each replay draws afresh.
     """
 
-    def __init__(self, pool, stream: torch.cuda.Stream, options: CaptureOptions, record_addresses: bool):
+    def __init__(self, pool: torch.cuda.MemPool, stream: torch.cuda.Stream, options: CaptureOptions, record_addresses: bool):
         self.pool = pool
         self.stream = stream
         self.options = options
@@ -258,7 +258,7 @@ class Recorder:
         self._scope.close()
 
 
-def start(pool, stream: torch.cuda.Stream, options: CaptureOptions, record_addresses: bool) -> Recorder:
+def start(pool: torch.cuda.MemPool, stream: torch.cuda.Stream, options: CaptureOptions, record_addresses: bool) -> Recorder:
     """Open a capture on ``stream`` (already the current stream) into ``pool``: route
     allocations to the pool, pause the cycle collector, hook ``wait_stream``, make the
     recorder this thread's active capture, watch the ops where random ones may come,

@@ -29,7 +29,7 @@ Launcher = Callable[[Any], Any]
 _launch = bindings.launch_function()
 
 
-def instantiate(graph: Graph, stream, measure: bool) -> tuple[GraphExec, int | None]:
+def instantiate(graph: Graph, stream: bindings.StreamLike, measure: bool) -> tuple[GraphExec, int | None]:
     """Instantiate ``graph``. With ``measure``, also upload it on ``stream`` (the driver
     takes part of its memory there) and return the device memory the driver took for both,
     read with ``cudaMemGetInfo`` (exact only while no other thread allocates device
@@ -94,7 +94,7 @@ class GraphSegment:
     result: Any = field(default=None, init=False)
     bytes_written: int = field(default=0, init=False)
 
-    def ready(self, stream, measure: bool) -> None:
+    def ready(self, stream: bindings.StreamLike, measure: bool) -> None:
         """Instantiate the captured graph (measuring its memory with ``measure``)."""
         self.executable, self.executable_bytes = instantiate(self.graph, stream, measure)
 
@@ -120,7 +120,7 @@ class GraphSegment:
         if self.executable_bytes is not None:
             self.executable_bytes = 0
 
-    def instantiate(self, stream) -> None:
+    def instantiate(self, stream: bindings.StreamLike) -> None:
         """Instantiate this segment's graph again (after :meth:`drop_executable`), measuring
         its memory if its capture did."""
         self.executable, self.executable_bytes = instantiate(self.graph, stream, measure=self.executable_bytes is not None)
@@ -157,7 +157,7 @@ class TorchGraphSegment:
     result: Any = field(default=None, init=False)
     bytes_written: int = field(default=0, init=False)
 
-    def ready(self, stream, measure: bool) -> None:
+    def ready(self, stream: bindings.StreamLike, measure: bool) -> None:
         """Instantiate through torch (measuring the memory it took with ``measure``)."""
         free_before = bindings.free_device_memory() if measure else 0
         self.capture.instantiate()
@@ -183,7 +183,7 @@ class TorchGraphSegment:
     def drop_executable(self) -> None:
         """Nothing: torch's executable stays (see the class)."""
 
-    def instantiate(self, stream) -> None:
+    def instantiate(self, stream: bindings.StreamLike) -> None:
         """Nothing: the executable was kept."""
 
     def release(self) -> None:
