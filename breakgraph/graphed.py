@@ -134,7 +134,9 @@ class GraphedCallable:
         """Re-run ``fn`` on the static arguments (a graph replay, or an eager call without a
         GPU) and return its output object, refreshed in place."""
         if self.graph is None:
-            self._write_eager_result(self.fn(*self.args, **self.kwargs))
+            result = self.fn(*self.args, **self.kwargs)
+            with torch.no_grad():  # a copy that autograd recorded would chain every replay to the last
+                self._write_eager_result(result)
         else:
             self.graph.replay()
         return self.output

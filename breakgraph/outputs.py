@@ -5,14 +5,15 @@ be refreshed in place; everything else stays the capture's. Where an output
 (of ``graphed``, of a runner's step, or of a break inside any capture)
 holds a value that a replay would leave behind, the capture says so:
 
-* tensors, in tuples, lists, dicts, dataclasses and objects: refreshed;
+* dense tensors, in tuples, lists, dicts, dataclasses and objects: refreshed;
 * None, and what a capture fixes anyway (a dtype, a device, a ``torch.Size``):
   kept, rightly;
-* Python numbers, strings, bytes and enum members: kept, and
-  :class:`FrozenOutputWarning` says so;
-* anything else (a set, a NumPy array, a generator, a module, ...): refused
-  with a :class:`TypeError` naming where it sits, before any replay could
-  return it stale.
+* numbers (NumPy's scalars too), strings, bytes and enum members: kept,
+  and :class:`FrozenOutputWarning` says so, naming where;
+* anything else (a set, a NumPy array, a generator, a module, an object
+  without a ``__dict__``, a sparse tensor, ...): refused with a
+  :class:`TypeError` naming where it sits, before any replay could return it
+  stale.
 
 A break runs again at every replay, and writeback puts its fresh non-tensor
 values into the lists, dicts and objects that hold them; only a break's
@@ -26,6 +27,7 @@ import enum
 import numbers
 from typing import Any
 
+import numpy
 import torch
 
 from breakgraph import runtime, trees
@@ -36,7 +38,8 @@ class FrozenOutputWarning(UserWarning):
 
 
 _FIXED_BY_CAPTURE = (type(None), torch.dtype, torch.device, torch.Size, torch.layout, torch.memory_format)
-_FROZEN = (numbers.Number, str, bytes, enum.Enum)
+_FROZEN = (numbers.Number, str, bytes, enum.Enum, numpy.generic)  # NumPy's scalars: np.bool_ is no Number
+_SHOWN = 4  # frozen values a warning names, before "and N more"
 
 
 def check_output(function_name: str, output: Any, *, root: str = "output", refreshed_values: bool = False) -> trees.Flat | None:
@@ -51,33 +54,48 @@ def check_output(function_name: str, output: Any, *, root: str = "output", refre
 
     Returns the output taken apart (None for a lone tensor or None), for a caller that needs it.
     """
-    if output is None or type(output) is torch.Tensor:
+    if output is None:
+        return None
+    if type(output) is torch.Tensor:
+        _require_strided(function_name, output, root)
         return None
     flat = trees.take_apart(output, objects=True)
-    warned = False
+    why = _WHY_A_BREAK_STAYS if refreshed_values else _WHY_AN_OUTPUT_STAYS
+    frozen = []
     for index, leaf in enumerate(flat.leaves):
-        if isinstance(leaf, (torch.Tensor, *_FIXED_BY_CAPTURE)) or (refreshed_values and flat.can_assign(index)):
+        if isinstance(leaf, torch.Tensor):
+            _require_strided(function_name, leaf, flat.path(index, root))
+            continue
+        if isinstance(leaf, _FIXED_BY_CAPTURE) or (refreshed_values and flat.can_assign(index)):
             continue
         where, kind = flat.path(index, root), type(leaf).__name__
-        why = _WHY_A_BREAK_STAYS if refreshed_values else _WHY_AN_OUTPUT_STAYS
         if not isinstance(leaf, _FROZEN):
             raise TypeError(
-                f"{function_name}() returned a {kind} at {where}, which a replay cannot refresh: {why}. Return tensors "
-                "(torch.as_tensor(...) on the device) in tuples, lists, dicts, dataclasses or objects, or build this "
-                "value from the output after each replay."
+                f"{function_name}() returned an object of type {kind} at {where}, which a replay cannot refresh: {why}. "
+                "Return tensors (torch.as_tensor(...) on the device) in tuples, lists, dicts, dataclasses or objects "
+                "with a __dict__, or build this value from the output after each replay."
             )
-        if not warned:
-            runtime.warn_user(
-                f"breakgraph: {function_name}() returned the Python {kind} {leaf!r} at {where}; {why}. Return a "
-                "tensor where the value must change.",
-                FrozenOutputWarning,
-            )
-            warned = True
+        frozen.append(f"{leaf!r} ({kind}) at {where}")
+    if frozen:
+        named = ", ".join(frozen[:_SHOWN]) + (f" and {len(frozen) - _SHOWN} more" if len(frozen) > _SHOWN else "")
+        runtime.warn_user(
+            f"breakgraph: {function_name}() returned {named}; {why}. Return tensors where a value must change.",
+            FrozenOutputWarning,
+        )
     return flat
 
 
-_WHY_AN_OUTPUT_STAYS = "a replay re-runs GPU work only, so every replay returns this capture-time value"
+def _require_strided(function_name: str, tensor: torch.Tensor, where: str) -> None:
+    """Writeback copies into a tensor's own storage, which a sparse or nested tensor does not have."""
+    if tensor.layout is not torch.strided:
+        raise TypeError(
+            f"{function_name}() returned a tensor of layout {tensor.layout} at {where}, which a replay cannot "
+            "refresh in place: return a dense tensor (.to_dense()) and build the other layout after each replay."
+        )
+
+
+_WHY_AN_OUTPUT_STAYS = "a replay re-runs GPU work only, so a graph returns the capture-time value at every replay"
 _WHY_A_BREAK_STAYS = (
-    "a replay runs the break again, but what the capture did with this value (a shape, a branch, an argument) "
-    "stays the capture's, and so does this value where the code after the break holds it"
+    "a replay runs the break again, but what the capture did with the value (a shape, a branch, an argument) "
+    "stays the capture's, and so does the value where the code after the break holds it"
 )

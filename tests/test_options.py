@@ -150,7 +150,7 @@ def test_a_python_number_in_a_graphed_output_is_said_to_be_frozen():
         bg.graphed(step, torch.ones(3))
     frozen = [w for w in caught if issubclass(w.category, bg.FrozenOutputWarning)]
     assert len(frozen) == 1
-    assert "step() returned the Python int 3 at output[1]; a replay re-runs GPU work only, so every replay returns this capture-time value" in str(frozen[0].message)
+    assert "step() returned 3 (int) at output[1]; a replay re-runs GPU work only, so a graph returns the capture-time value at every replay" in str(frozen[0].message)
 
 
 def test_graphed_options_are_checked_like_the_context_managers():

@@ -25,6 +25,13 @@ class Result:
     seen: object
 
 
+class Slotted:
+    __slots__ = ("out",)
+
+    def __init__(self):
+        self.out = torch.ones(1)
+
+
 def frozen_warnings(caught) -> list[str]:
     return [str(w.message) for w in caught if issubclass(w.category, bg.FrozenOutputWarning)]
 
@@ -44,25 +51,39 @@ def checked(output, **options) -> list[str]:
         ((i for i in range(3)), "generator", "output"),
         ({"h": [torch.ones(1), frozenset()]}, "frozenset", "output['h'][1]"),
         (Result(torch.ones(1), torch.nn.Linear(1, 1)), "Linear", "output.seen"),
+        ((torch.ones(1), Slotted()), "Slotted", "output[1]"),
     ],
 )
 def test_what_a_replay_cannot_refresh_is_refused_with_its_path(output, kind, where):
-    with pytest.raises(TypeError, match=rf"step\(\) returned a {kind} at {where.replace('[', '.').replace(']', '.')}, which a replay cannot refresh"):
+    with pytest.raises(TypeError, match=rf"step\(\) returned an object of type {kind} at {where.replace('[', '.').replace(']', '.')}, which a replay cannot refresh"):
         check_output("step", output)
 
 
 @pytest.mark.parametrize(
     "output, said",
     [
-        ((torch.ones(1), 3), "the Python int 3 at output[1]"),
-        ({"note": "done"}, "the Python str 'done' at output['note']"),
-        ([torch.ones(1), Mode.DECODE], "the Python Mode <Mode.DECODE: 1> at output[1]"),
-        (np.float32(0.5), f"the Python float32 {np.float32(0.5)!r} at output;"),
+        ((torch.ones(1), 3), "returned 3 (int) at output[1];"),
+        ({"note": "done"}, "returned 'done' (str) at output['note'];"),
+        ([torch.ones(1), Mode.DECODE], "returned <Mode.DECODE: 1> (Mode) at output[1];"),
+        (np.float32(0.5), f"returned {np.float32(0.5)!r} (float32) at output;"),
+        ((torch.ones(1), np.bool_(True)), f"returned {np.bool_(True)!r} (bool) at output[1];"),
     ],
 )
 def test_numbers_strings_and_enums_are_kept_and_said_to_be_frozen(output, said):
     (message,) = checked(output)
-    assert said in message and "every replay returns this capture-time value" in message
+    assert said in message and "a graph returns the capture-time value at every replay" in message
+
+
+def test_one_warning_names_every_frozen_value_up_to_four():
+    (message,) = checked((torch.ones(1), 1.0, 2.0, "a", b"b", 5, 6))
+    assert "returned 1.0 (float) at output[1], 2.0 (float) at output[2], 'a' (str) at output[3], b'b' (bytes) at output[4] and 2 more;" in message
+
+
+def test_a_tensor_without_storage_of_its_own_is_refused():
+    with pytest.raises(TypeError, match=r"returned a tensor of layout torch.sparse_coo at output\['k'\], which a replay cannot refresh in place: return a dense tensor"):
+        check_output("step", {"k": torch.eye(2).to_sparse()})
+    with pytest.raises(TypeError, match=r"layout torch.sparse_coo at out, .*\.to_dense\(\)"):
+        check_output("attention", torch.eye(2).to_sparse(), root="out", refreshed_values=True)
 
 
 @pytest.mark.parametrize("output", [None, torch.ones(2), (torch.ones(1), None, torch.float16, torch.device("cpu"), torch.Size([2]))])
@@ -73,8 +94,8 @@ def test_tensors_none_and_what_a_capture_fixes_pass_silently(output):
 def test_a_breaks_values_that_writeback_replaces_pass_and_the_others_do_not():
     assert checked({"n": 3, "rows": [np.ones(2)], "meta": Result(torch.ones(1), {4})}, root="out", refreshed_values=True) == []
     (message,) = checked((torch.ones(1), 7), root="out", refreshed_values=True)
-    assert "returned the Python int 7 at out[1]; a replay runs the break again" in message
-    with pytest.raises(TypeError, match=r"returned a set at out, which a replay cannot refresh: a replay runs the break again"):
+    assert "returned 7 (int) at out[1]; a replay runs the break again" in message
+    with pytest.raises(TypeError, match=r"returned an object of type set at out, which a replay cannot refresh: a replay runs the break again"):
         check_output("attention", {1}, root="out", refreshed_values=True)
 
 
@@ -82,9 +103,9 @@ def test_a_breaks_values_that_writeback_replaces_pass_and_the_others_do_not():
 def test_graphed_refuses_a_set_without_a_gpu_as_it_does_with_one():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the no-GPU fallback's note
-        with pytest.raises(TypeError, match=r"returned a set at output, which a replay cannot refresh"):
+        with pytest.raises(TypeError, match=r"returned an object of type set at output, which a replay cannot refresh"):
             bg.graphed(lambda x: {float(x.sum())}, torch.ones(3))
-        with pytest.raises(TypeError, match=r"returned a ndarray at output\[1\]"):
+        with pytest.raises(TypeError, match=r"returned an object of type ndarray at output\[1\]"):
             bg.graphed(lambda x: (x * 2, x.numpy() * 2), torch.ones(3))
 
 
@@ -94,11 +115,23 @@ def test_graphed_keeps_the_captures_numbers_without_a_gpu_as_a_graph_does():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         step = bg.graphed(lambda x: [x * 2, float(x.sum())], x)
-    assert any("float 3.0 at output[1]" in message for message in frozen_warnings(caught))
+    assert any("returned 3.0 (float) at output[1]" in message for message in frozen_warnings(caught))
     x.copy_(torch.full((3,), 5.0))
     out = step()
     torch.testing.assert_close(out[0], torch.full((3,), 10.0))  # the tensor refreshed
     assert out[1] == 3.0  # the number the capture's, as a graph's replay leaves it
+
+
+@no_gpu
+def test_replays_without_a_gpu_do_not_chain_autograd_history():
+    layer = torch.nn.Linear(8, 8)  # its parameters require grad: the output has autograd history
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step = bg.graphed(lambda x: layer(x).relu(), torch.randn(4, 8))
+    captured = type(step.output.grad_fn).__name__
+    for _ in range(10):
+        out = step()
+    assert type(out.grad_fn).__name__ == captured == "ReluBackward0"  # not a CopyBackwards per replay
 
 
 @no_gpu
@@ -107,7 +140,7 @@ def test_a_runner_without_a_gpu_holds_its_first_output_to_the_rule():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         runner = bg.GraphRunner(lambda x: (x + 1, {"rows": x.shape[0]}.keys()), x, capture_sizes=[8])
-        with pytest.raises(TypeError, match=r"<lambda>\(\) returned a dict_keys at output\[1\]"):
+        with pytest.raises(TypeError, match=r"<lambda>\(\) returned an object of type dict_keys at output\[1\]"):
             runner(torch.zeros(2, 4))
         counted = bg.GraphRunner(lambda x: (x + 1, x.shape[0]), x, capture_sizes=[8])
     with warnings.catch_warnings(record=True) as caught:
@@ -115,7 +148,7 @@ def test_a_runner_without_a_gpu_holds_its_first_output_to_the_rule():
         counted(torch.zeros(2, 4))
         counted(torch.zeros(3, 4))
     (message,) = frozen_warnings(caught)
-    assert "returned the Python int 2 at output[1]" in message
+    assert "returned 2 (int) at output[1]" in message
 
 
 def test_static_arguments_without_a_tensor_are_refused():
