@@ -23,9 +23,9 @@ def tensors_and_a_count(x):
 
 def test_graphed_refuses_a_set_and_an_array_and_captures_again_after():
     x = torch.randn(4, 8, device=DEV)
-    with pytest.raises(TypeError, match=r"returned a set at output, which a replay cannot refresh"):
+    with pytest.raises(TypeError, match=r"returned an object of type set at output, which a replay cannot refresh"):
         bg.graphed(lambda x: {x.shape[0]}, x)
-    with pytest.raises(TypeError, match=r"returned a ndarray at output\[1\]"):
+    with pytest.raises(TypeError, match=r"returned an object of type ndarray at output\[1\]"):
         bg.graphed(lambda x: (x * 2, np.ones(2)), x)
     step = bg.graphed(lambda x: torch.tanh(x) + 1, x)
     for _ in range(5):
@@ -40,7 +40,7 @@ def test_graphed_warns_of_a_number_and_refreshes_the_tensors_beside_it():
         warnings.simplefilter("always")
         step = bg.graphed(tensors_and_a_count, x)
     (message,) = frozen_warnings(caught)
-    assert "tensors_and_a_count() returned the Python int 4 at output['rows']" in message
+    assert "tensors_and_a_count() returned 4 (int) at output['rows']" in message
     (warned,) = [w for w in caught if issubclass(w.category, bg.FrozenOutputWarning)]
     assert warned.filename == __file__  # the user's line, not breakgraph's
     for _ in range(5):
@@ -54,12 +54,12 @@ def test_graphed_warns_of_a_number_and_refreshes_the_tensors_beside_it():
 def test_a_runner_refuses_a_generator_at_capture_and_warns_of_a_number():
     buffer = torch.zeros(8, 16, device=DEV)
     runner = bg.GraphRunner(lambda x: (x * 3, (row for row in x)), buffer, capture_sizes=[4, 8], progress=False)
-    with pytest.raises(TypeError, match=r"<lambda>\(\) returned a generator at output\[1\]"):
+    with pytest.raises(TypeError, match=r"<lambda>\(\) returned an object of type generator at output\[1\]"):
         runner.capture()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         counted = bg.GraphRunner(tensors_and_a_count, buffer, capture_sizes=[4, 8], progress=False).capture()
-    assert any("returned the Python int 8 at output['rows']" in message for message in frozen_warnings(caught))
+    assert any("returned 8 (int) at output['rows']" in message for message in frozen_warnings(caught))
     for n in (3, 8, 5, 4):
         x = torch.randn(n, 16, device=DEV)
         out = counted(x)
@@ -81,7 +81,7 @@ def test_a_break_in_the_with_block_is_held_to_the_rule():
         return [x.sum(0), int(x.shape[0])], x.shape[0]
 
     x = torch.randn(4, 8, device=DEV)
-    for refused, where in ((seen_rows, r"seen_rows\(\) returned a set at out,"), (with_an_array, r"with_an_array\(\) returned a ndarray at out\[1\],")):
+    for refused, where in ((seen_rows, r"seen_rows\(\) returned an object of type set at out,"), (with_an_array, r"with_an_array\(\) returned an object of type ndarray at out\[1\],")):
         graph = bg.BreakableCUDAGraph()
         with pytest.raises(TypeError, match=where):
             with bg.BreakableCUDAGraphCapture(graph):
@@ -93,7 +93,7 @@ def test_a_break_in_the_with_block_is_held_to_the_rule():
             (total, rows), frozen = counted(x + 1)
             y = total * 3
     (message,) = frozen_warnings(caught)
-    assert "counted() returned the Python int 4 at out[1]; a replay runs the break again" in message
+    assert "counted() returned 4 (int) at out[1]; a replay runs the break again" in message
     assert frozen == 4 and rows == 4
     for _ in range(5):
         x.copy_(torch.randn_like(x))
