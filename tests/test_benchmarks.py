@@ -385,7 +385,7 @@ def test_tensor_parallel_ratios_say_which_targets_are_met():
     row, lines = bench.decode_ratios(8, us, world=2)
     assert row["variant"] == "ratios" and row["notes"].startswith("breakable/bound 1.08x; full/same-work monolithic 1.030x; torch per segment/breakable 1.10x")
     assert lines == [
-        "batch 8: breakgraph breakable 1.08x its frozen-length bound (target <= 1.10x: met)",
+        "batch 8: breakgraph breakable 1.08x its frozen-length bound (target <= 1.10x: met; torch's per-segment graphs: 1.19x)",
         "batch 8: breakgraph full 1.030x the same work as one monolithic graph (target <= 1.02x: NOT met)",
         "batch 8: torch CUDAGraph per segment 1.10x breakgraph breakable's step (target >= 1.00x: met)",
     ]
