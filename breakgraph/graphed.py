@@ -96,7 +96,11 @@ class GraphedCallable:
         else:
             self.graph = BreakableCUDAGraph(pool=pool, debug=self.debug)
             self._capture(warmup)
-            check_output(function_name(fn), self.output)
+            try:
+                check_output(function_name(fn), self.output)
+            except BaseException:
+                self.graph.reset()  # refused: its segments and buffers go now, not at a collection
+                raise
 
     def _capture(self, warmup: int) -> None:
         fn, args, kwargs = self.fn, self.args, self.kwargs

@@ -92,6 +92,10 @@ class CapturePolicy:
         def attempt(index: int, barrier) -> GraphedCallable:
             started = time.perf_counter()
             key, size = work[index]
+            if index and warmups[index]:
+                # A warm-up runs the step's collectives for real: the ranks meet first, so that
+                # none runs them while a peer whose last capture failed waits to say so.
+                barrier()
             graphed = self._graphed_with(barrier, key, size, warmups[index], pool, measure)
             seconds.append(time.perf_counter() - started)
             advance()
@@ -100,7 +104,7 @@ class CapturePolicy:
         try:
             made = self.ranks.capture_each(
                 [self._tags[key] + size for key, size in work], attempt,
-                discard=lambda made: [graphed.graph.reset() for graphed in made],
+                discard=lambda made: _reset_all(graphed.graph for graphed in made),
             )
         except PeerCaptureError as error:
             if error.lost:
@@ -200,3 +204,15 @@ class CapturePolicy:
         self.draws[key] = graphed.draws_random_numbers
         graphed.graph.set_replay_hooks(self.options.before_replay, self.options.after_replay)
         return graphed
+
+
+def _reset_all(graphs) -> None:
+    """Reset every graph, even after one raised; then raise the first error."""
+    errors = []
+    for graph in graphs:
+        try:
+            graph.reset()
+        except Exception as error:
+            errors.append(error)
+    if errors:
+        raise errors[0]

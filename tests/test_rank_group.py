@@ -19,6 +19,8 @@ import torch.multiprocessing as mp
 
 import breakgraph as bg
 from breakgraph.dispatch import BarrierBeforeCollectives
+from breakgraph.batches import StaticInputs
+from breakgraph.policy import CapturePolicy
 from breakgraph.rank_group import GIVE_UP, KEEP, RETRY, RankGroup
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch has no torch.distributed")
@@ -150,6 +152,54 @@ def test_captures_made_under_one_agreement_are_kept_on_every_rank_or_discarded_o
             assert outcome["discarded"] == [["capture 0", "capture 1", "capture 2"]]
         assert outcome["out_of_step"] is True  # rank 1 met the others' size-8 barrier at size 9
         assert outcome["discarded_out_of_step"] == [[0]]  # what each had made before: the size-16 capture
+
+
+class _StandIn:
+    """What the policy keeps of a capture, without a GPU: a graph that can be reset."""
+
+    draws_random_numbers = False
+
+    def __init__(self, size: int, resets: list):
+        self.graph = self
+        self.size, self.resets = size, resets
+
+    def reset(self) -> None:
+        self.resets.append(self.size)
+
+
+def _warming_up_under_one_agreement(rank: int, store: str, results: str) -> None:
+    """capture_together with a warm-up before every size: rank 2's capture at size 8 fails
+    after its warm-up, so its peers must not run size 4's warm-up collective without it."""
+    _join(rank, store)
+    ranks = RankGroup(None, timeout=30)
+    inputs = StaticInputs(torch.zeros(16, 2))
+    policy = CapturePolicy(lambda x: x, inputs, {None: "breakable"}, bg.RunnerOptions(warmup=1, group=dist.group.WORLD), ranks)
+    warmed, resets = [], []
+
+    def stand_in(barrier, key, size, warmup, pool, measure):
+        if warmup:
+            dist.all_reduce(torch.ones(1))  # the step's collective, run for real by the warm-up
+            warmed.append(size)
+        if rank == 2 and size == 8:
+            raise RuntimeError("rank 2 fails the capture of size 8")
+        return _StandIn(size, resets)
+
+    policy._graphed_with = stand_in
+    started = time.monotonic()
+    together = policy.capture_together([(None, 16), (None, 8), (None, 4)], None, lambda: None)
+    outcome = {"together": together, "seconds": time.monotonic() - started, "warmed": warmed, "resets": resets,
+               "kept": sorted(size for _key, size in policy.graphed)}
+    with open(os.path.join(results, f"{rank}.json"), "w") as out:
+        json.dump(outcome, out)
+    dist.destroy_process_group()
+
+
+def test_under_one_agreement_no_rank_warms_up_while_a_peer_that_failed_waits_to_say_so(tmp_path):
+    for rank, outcome in enumerate(_run(tmp_path, _warming_up_under_one_agreement)):
+        assert outcome["together"] is False and outcome["kept"] == [], outcome  # every rank falls back
+        assert outcome["warmed"] == [16, 8], outcome  # nobody ran size 4's warm-up collective
+        assert outcome["resets"] == ([16] if rank == 2 else [16, 8]), outcome
+        assert outcome["seconds"] < 20, outcome  # not a peer timeout
 
 
 def _losing_a_peer(rank: int, store: str, results: str) -> None:
