@@ -3,6 +3,7 @@ checked, copied in and padded, and outputs cut back to the live rows."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ class StaticInputs:
         # is their leaves' order where they are one tensor or a flat tuple/list of tensors.
         self._flat = isinstance(buffers, torch.Tensor) or (isinstance(buffers, (tuple, list)) and len(buffers) == len(leaves))
         self._fits = [(leaf.shape[1:], leaf.dtype) for leaf in leaves]
+        self._spans = [_storage_span(leaf) for leaf in leaves]  # where a live input would overlap a buffer
 
     @property
     def device(self) -> torch.device:
@@ -141,18 +143,35 @@ class StaticInputs:
             if fresh.data_ptr() != static.data_ptr() or fresh.stride() != static.stride():
                 targets.append(static[:n])
                 sources.append(fresh)
-        if len(targets) > 1 and all(fresh.device == target.device for fresh, target in zip(sources, targets)):
+        # One foreach copy where every input is on its buffer's device and lies outside every
+        # buffer; otherwise copy_ each, which refuses (or orders) a copy between overlapping memory.
+        if len(targets) > 1 and all(
+            fresh.device == target.device and not _overlaps(fresh.untyped_storage().data_ptr(), self._spans)
+            for fresh, target in zip(sources, targets)
+        ):
             torch._foreach_copy_(targets, sources)
         else:
             for target, fresh in zip(targets, sources):
                 target.copy_(fresh)
         if n < size:
             padding = [static[n:size] for static in self.leaves]
-            if len(padding) > 1 and pad_value == 0:
+            if len(padding) > 1 and pad_value == 0 and math.copysign(1.0, pad_value) > 0:  # -0.0 is filled as given
                 torch._foreach_zero_(padding)
             else:
                 for rows in padding:
                     rows.fill_(pad_value)
+
+
+def _storage_span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The addresses ``tensor``'s storage covers (none for a tensor on the meta device)."""
+    if tensor.is_meta:
+        return 0, 0
+    storage = tensor.untyped_storage()
+    return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+
+
+def _overlaps(address: int, spans: list[tuple[int, int]]) -> bool:
+    return any(start <= address < end for start, end in spans)
 
 
 def _fit(lives: list, fits: list) -> bool:

@@ -94,3 +94,12 @@ def test_the_one_pass_check_answers_as_the_leaf_by_leaf_check_does(data):
     count = data.draw(st.sampled_from([1, 2, 3]), label="inputs given")
     given_inputs = (first, second, second)[:count]
     assert _outcome(inputs.check, given_inputs) == _outcome(inputs._check_leaf_by_leaf, given_inputs)
+
+
+def test_an_input_inside_a_buffer_is_copied_as_copy_copies_it_and_negative_zero_pads_as_given():
+    inputs = StaticInputs((torch.arange(8.0), torch.zeros(8, dtype=torch.long)))
+    values, ids = inputs.leaves
+    with pytest.raises(RuntimeError, match="refer to a single memory location"):  # torch's own refusal, not a silent mix
+        inputs.fill(inputs.check((values[1:4], torch.ones(3, dtype=torch.long))), 4, 0)
+    inputs.fill(inputs.check((torch.ones(2), torch.ones(2, dtype=torch.long))), 4, -0.0)
+    assert torch.signbit(values[2:4]).all() and torch.equal(ids[2:4], torch.zeros(2, dtype=torch.long))
