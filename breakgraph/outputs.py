@@ -6,12 +6,13 @@ be refreshed in place; everything else stays the capture's. Where an output
 holds a value that a replay would leave behind, the capture says so:
 
 * dense tensors, in tuples, lists, dicts, dataclasses and objects: refreshed;
-* None, and what a capture fixes anyway (a dtype, a device, a ``torch.Size``):
-  kept, rightly;
+* None, what a capture fixes anyway (a dtype, a device, a ``torch.Size``),
+  and references that cannot go stale (a class, a function, a module, a
+  slice): kept, rightly;
 * numbers (NumPy's scalars too), strings, bytes and enum members: kept,
   and :class:`FrozenOutputWarning` says so, naming where;
-* anything else (a set, a NumPy array, a generator, a module, an object
-  without a ``__dict__``, a sparse tensor, ...): refused with a
+* anything else (a set, a NumPy array, a generator, an object without a
+  ``__dict__``, a sparse tensor, ...): refused with a
   :class:`TypeError` naming where it sits, before any replay could return it
   stale.
 
@@ -37,7 +38,11 @@ class FrozenOutputWarning(UserWarning):
     """A captured function returned a Python number or string: replays return its capture-time value."""
 
 
-_FIXED_BY_CAPTURE = (type(None), torch.dtype, torch.device, torch.Size, torch.layout, torch.memory_format)
+# Values a replay cannot leave stale: what the capture fixes anyway, and immutable references
+# (a class, a function, a slice; a transformers cache holds its layers' class).
+_FIXED_BY_CAPTURE = (
+    type(None), type(Ellipsis), torch.dtype, torch.device, torch.Size, torch.layout, torch.memory_format, type, slice, range,
+)
 _FROZEN = (numbers.Number, str, bytes, enum.Enum, numpy.generic)  # NumPy's scalars: np.bool_ is no Number
 _SHOWN = 4  # frozen values a warning names, before "and N more"
 
@@ -66,9 +71,16 @@ def check_output(function_name: str, output: Any, *, root: str = "output", refre
         if isinstance(leaf, torch.Tensor):
             _require_strided(function_name, leaf, flat.path(index, root))
             continue
-        if isinstance(leaf, _FIXED_BY_CAPTURE) or (refreshed_values and flat.can_assign(index)):
+        if isinstance(leaf, _FIXED_BY_CAPTURE) or callable(leaf) or (refreshed_values and flat.can_assign(index)):
             continue
         where, kind = flat.path(index, root), type(leaf).__name__
+        if isinstance(leaf, (dict, list)):
+            plain = "dict" if isinstance(leaf, dict) else "list"
+            raise TypeError(
+                f"{function_name}() returned a {kind} at {where}, a subclass of {plain} whose items breakgraph does not "
+                f"walk, so a replay cannot refresh the tensors in it: return a plain {plain} ({plain}(value)), a "
+                "dataclass or an object with a __dict__."
+            )
         if not isinstance(leaf, _FROZEN):
             raise TypeError(
                 f"{function_name}() returned an object of type {kind} at {where}, which a replay cannot refresh: {why}. "

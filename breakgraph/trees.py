@@ -38,7 +38,9 @@ def _is_object_node(value) -> bool:
         return False
     if dataclasses.is_dataclass(value):
         return True
-    return hasattr(value, "__dict__")
+    # A dict or list subclass keeps its contents in its items, not its attributes: walked as an
+    # object it would look empty, so it stays a leaf (optree walks only the plain containers).
+    return hasattr(value, "__dict__") and not isinstance(value, (dict, list))
 
 
 def _attribute_names(value) -> tuple[str, ...]:

@@ -50,7 +50,7 @@ def checked(output, **options) -> list[str]:
         ((torch.ones(2), np.ones(3)), "ndarray", "output[1]"),
         ((i for i in range(3)), "generator", "output"),
         ({"h": [torch.ones(1), frozenset()]}, "frozenset", "output['h'][1]"),
-        (Result(torch.ones(1), torch.nn.Linear(1, 1)), "Linear", "output.seen"),
+        (Result(torch.ones(1), bytearray(b"rows")), "bytearray", "output.seen"),
         ((torch.ones(1), Slotted()), "Slotted", "output[1]"),
     ],
 )
@@ -79,6 +79,15 @@ def test_one_warning_names_every_frozen_value_up_to_four():
     assert "returned 1.0 (float) at output[1], 2.0 (float) at output[2], 'a' (str) at output[3], b'b' (bytes) at output[4] and 2 more;" in message
 
 
+class Rows(dict):
+    """A dict subclass: optree walks only the plain containers."""
+
+
+def test_a_dict_or_list_subclass_is_refused_rather_than_left_stale():
+    with pytest.raises(TypeError, match=r"returned a Rows at output\[0\], a subclass of dict whose items breakgraph does not walk.*plain dict \(dict\(value\)\)"):
+        check_output("step", (Rows(h=torch.ones(1)), torch.ones(1)))
+
+
 def test_a_tensor_without_storage_of_its_own_is_refused():
     with pytest.raises(TypeError, match=r"returned a tensor of layout torch.sparse_coo at output\['k'\], which a replay cannot refresh in place: return a dense tensor"):
         check_output("step", {"k": torch.eye(2).to_sparse()})
@@ -86,7 +95,15 @@ def test_a_tensor_without_storage_of_its_own_is_refused():
         check_output("attention", torch.eye(2).to_sparse(), root="out", refreshed_values=True)
 
 
-@pytest.mark.parametrize("output", [None, torch.ones(2), (torch.ones(1), None, torch.float16, torch.device("cpu"), torch.Size([2]))])
+@pytest.mark.parametrize(
+    "output",
+    [
+        None,
+        torch.ones(2),
+        (torch.ones(1), None, torch.float16, torch.device("cpu"), torch.Size([2])),
+        {"layer_class": torch.nn.Linear, "act": torch.relu, "module": torch.nn.Linear(1, 1), "rows": slice(0, 2), "h": torch.ones(1)},
+    ],
+)
 def test_tensors_none_and_what_a_capture_fixes_pass_silently(output):
     assert checked(output) == []
 
@@ -166,3 +183,13 @@ def test_a_function_that_reads_its_tensors_from_a_closure_takes_no_static_argume
         step = bg.graphed(lambda: weights * 2)
     weights.fill_(3.0)
     torch.testing.assert_close(step(), torch.full((2,), 6.0))
+
+
+def test_a_transformers_output_with_its_cache_is_accepted():
+    transformers = pytest.importorskip("transformers", reason="the transformers extra is not installed")
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    output = CausalLMOutputWithPast(logits=torch.ones(1, 2), past_key_values=transformers.DynamicCache())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the cache's flags are frozen values, and transformers' own notes
+        check_output("forward", output)  # the cache's layer class is no stale value: not refused
