@@ -146,7 +146,7 @@ class StaticInputs:
         # One foreach copy where every input is on its buffer's device and lies outside every
         # buffer; otherwise copy_ each, which refuses (or orders) a copy between overlapping memory.
         if len(targets) > 1 and all(
-            fresh.device == target.device and not _overlaps(fresh.untyped_storage().data_ptr(), self._spans)
+            fresh.device == target.device and not _overlaps(fresh.data_ptr(), self._spans)
             for fresh, target in zip(sources, targets)
         ):
             torch._foreach_copy_(targets, sources)
@@ -193,16 +193,14 @@ def _fit(lives: list, fits: list) -> bool:
 
 def live_rows(output: Any, size: int, n: int, clone: bool) -> Any:
     """``output`` with every tensor whose dimension 0 is the captured ``size`` cut to ``n`` rows."""
-    if type(output) is torch.Tensor:  # the common case, without taking it apart
-        if n < size and output.dim() > 0 and output.shape[0] == size:
-            output = output[:n]
-        return output.clone() if clone else output
 
     def rows(tensor: torch.Tensor) -> torch.Tensor:
         if n < size and tensor.dim() > 0 and tensor.shape[0] == size:
             tensor = tensor[:n]
         return tensor.clone() if clone else tensor
 
+    if type(output) is torch.Tensor:  # the common case, without taking it apart
+        return rows(output)
     return trees.map_tensors(rows, output)
 
 

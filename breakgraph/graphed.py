@@ -90,17 +90,18 @@ class GraphedCallable:
             if warn:
                 runtime.warn_user(f"breakgraph: {reason}; {function_name(fn)} runs eagerly on every replay")
             self.output = fn(*args, **kwargs)
-            check_output(function_name(fn), self.output)
-            # Tensors only, as a graph's replay refreshes them: values stay the first call's.
-            self._write_eager_result = make_writer(function_name(fn), self.output, replace_values=False)
         else:
             self.graph = BreakableCUDAGraph(pool=pool, debug=self.debug)
             self._capture(warmup)
-            try:
-                check_output(function_name(fn), self.output)
-            except BaseException:
+        try:
+            flat = check_output(function_name(fn), self.output)
+        except BaseException:
+            if self.graph is not None:
                 self.graph.reset()  # refused: its segments and buffers go now, not at a collection
-                raise
+            raise
+        if self.graph is None:
+            # Tensors only, as a graph's replay refreshes them: values stay the first call's.
+            self._write_eager_result = make_writer(function_name(fn), self.output, flat, replace_values=False)
 
     def _capture(self, warmup: int) -> None:
         fn, args, kwargs = self.fn, self.args, self.kwargs

@@ -39,9 +39,9 @@ class FrozenOutputWarning(UserWarning):
 
 
 # Values a replay cannot leave stale: what the capture fixes anyway, and immutable references
-# (a class, a function, a slice; a transformers cache holds its layers' class).
+# (a slice; classes, functions and modules pass as callables: a transformers cache holds its layers' class).
 _FIXED_BY_CAPTURE = (
-    type(None), type(Ellipsis), torch.dtype, torch.device, torch.Size, torch.layout, torch.memory_format, type, slice, range,
+    type(None), type(Ellipsis), torch.dtype, torch.device, torch.Size, torch.layout, torch.memory_format, slice, range,
 )
 _FROZEN = (numbers.Number, str, bytes, enum.Enum, numpy.generic)  # NumPy's scalars: np.bool_ is no Number
 _SHOWN = 4  # frozen values a warning names, before "and N more"

@@ -106,12 +106,9 @@ class CapturePolicy:
                 [self._tags[key] + size for key, size in work], attempt,
                 discard=lambda made: _reset_all(graphed.graph for graphed in made),
             )
-        except PeerCaptureError as error:
-            if error.lost:
-                raise
-            log.info("capturing %d sizes under one agreement failed on a peer; capturing them one at a time", len(work))
-            return False
         except Exception as error:
+            if isinstance(error, PeerCaptureError) and error.lost:
+                raise
             log.info("capturing %d sizes under one agreement failed (%s); capturing them one at a time", len(work), error)
             return False
         for key_size, graphed, took, warmup in zip(work, made, seconds, warmups):
