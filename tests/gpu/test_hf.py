@@ -47,6 +47,22 @@ def fp32_generators(fp32_model):
         generators[variant].runner.release()
 
 
+def eager_logit_gaps(model, got, expected, column: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """At the first column where the tokens differ, how far apart eager's logits put the two
+    tokens in each differing row, and that row's largest logit. Inductor orders a compiled step's
+    float32 reductions its own way, so of two tokens a random-weight model scores equal to
+    rounding it may pick the other; past that column the generations continue different texts."""
+    model.set_attn_implementation("sdpa")
+    try:
+        with torch.no_grad():
+            logits = model(expected[:, :column]).logits[:, -1].float()
+    finally:
+        model.set_attn_implementation(hf.ATTENTION)
+    rows = (got[:, column] != expected[:, column]).nonzero().flatten()
+    gaps = (logits[rows, expected[rows, column]] - logits[rows, got[rows, column]]).abs()
+    return gaps, logits[rows].abs().amax(dim=-1)
+
+
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("mode", VARIANTS)
 def test_float32_tokens_equal_transformers_eager(fp32_model, fp32_generators, mode, batch):
@@ -55,7 +71,11 @@ def test_float32_tokens_equal_transformers_eager(fp32_model, fp32_generators, mo
     got = fp32_generators[mode].generate(ids, NEW)
     assert got.shape == expected.shape == (batch, PROMPT + NEW)
     differs = (got != expected).any(dim=0).nonzero()
-    assert differs.numel() == 0, f"{mode}: first differing column {int(differs[0]) - PROMPT} of {NEW} new tokens"
+    if differs.numel():
+        column = int(differs[0])
+        gaps, largest = eager_logit_gaps(fp32_model, got, expected, column)
+        tie = "compile" in mode and bool((gaps <= 1e-3 * largest).all())  # compiled float32 may break a tie the other way
+        assert tie, f"{mode}: first differing column {column - PROMPT} of {NEW} new tokens; eager's logits differ there by {gaps.tolist()} (largest {largest.tolist()})"
     report = fp32_generators[mode].runner.report(print_table=False)
     assert [row["size"] for row in report["rows"]] == [1, 2, 4]
 
