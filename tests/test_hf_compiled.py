@@ -12,6 +12,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 
 from breakgraph import hf
 from breakgraph.hf.compiled import compiled_forward
+from breakgraph.hf.lifecycle import CompilePhase
+from breakgraph.hf.steps import GREEDY, SAMPLING_VARIANTS
 from tests.helpers import transformers_eager_generate
 
 SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -78,7 +80,7 @@ def test_inductor_compiled_generation_equals_transformers():
 def test_what_the_break_does_not_apply_is_refused_when_compiled_too():
     gen = generator(small(MistralForCausalLM, MistralConfig, sliding_window=16), max_batch_size=1)
     with pytest.raises(NotImplementedError, match="sliding window of 16 tokens"), torch.inference_mode():
-        gen._decode_step(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long))  # the compiled step, no prefill first
+        gen.runner.fn(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long))  # the compiled step, no prefill first
 
 
 @pytest.mark.filterwarnings("ignore:breakgraph. no CUDA GPU")
@@ -122,13 +124,13 @@ def test_compile_settings_are_checked(compile, error, message):
 def test_compiling_ahead_leaves_nothing_for_the_captures_to_compile():
     model = small(LlamaForCausalLM, LlamaConfig)
     gen = generator(model, max_batch_size=8)
-    gen._compile_ahead()  # what the first capture runs before it, on a GPU
+    gen._lifecycle.compile.ahead()  # what the first capture runs before it, on a GPU
     assert counters["stats"]["unique_graphs"] == 2  # a batch of 1, then the batch dynamic
     # the runner's warm-ups and captures, largest first, on static inputs made outside inference mode
     inputs = {size: (torch.zeros(size, 1, dtype=torch.long), torch.full((size,), 3)) for size in (8, 4, 2, 1)}
     with torch.inference_mode():  # as Generator captures
         for ids, positions in inputs.values():
-            gen._decode_step(ids, positions)
+            gen.runner.fn(ids, positions)
     assert counters["stats"]["unique_graphs"] == 2
 
 
@@ -159,7 +161,7 @@ def test_a_background_compile_serves_uncompiled_until_it_ends_then_compiled_with
     assert counters["stats"]["unique_graphs"] == 2  # on its twin cache and inputs: a batch of 1, then the batch dynamic
     with torch.inference_mode():  # the runner's warm-ups and captures on a GPU, on its static inputs
         for size in (4, 2, 1):
-            gen._decode_step(**gen.runner.inputs.views(size))
+            gen.runner.fn(**gen.runner.inputs.views(size))
     assert counters["stats"]["unique_graphs"] == 2  # the twin's compiles serve the Generator's own cache and inputs
     assert torch.equal(gen.generate(ids, 16), expected)  # without a GPU on generate()'s inputs, which compile apart
     assert torch.equal(gen.generate(ids, 16, do_sample=True, top_k=1), expected)
@@ -193,7 +195,7 @@ def test_a_failed_background_compile_is_raised_once_and_generation_goes_on_uncom
 def test_a_failed_background_compile_that_a_generation_takes_is_a_warning_and_the_generation_serves():
     gen, ids, expected = failing_compile_in_background()
     gen.generate(ids, 8)
-    gen._compiling.error()  # the compile has ended
+    gen._lifecycle.running.work.error()  # the compile has ended
     with pytest.warns(UserWarning, match="compiling the decode step in the background failed.*no compiler here") as caught:
         assert torch.equal(gen.generate(ids, 8), expected)
     assert caught[0].filename == __file__  # the line that called generate(), not breakgraph's
@@ -248,3 +250,44 @@ def test_compile_in_background_needs_a_compile():
         generator(small(LlamaForCausalLM, LlamaConfig), compile=False, compile_in_background=True)
     with pytest.raises(TypeError, match="compile_in_background"):
         generator(small(LlamaForCausalLM, LlamaConfig), compile_in_background="yes")
+
+
+@pytest.mark.filterwarnings("ignore:breakgraph. no CUDA GPU")
+def test_the_compile_moves_through_its_phases_by_its_transitions_only():
+    model = small(LlamaForCausalLM, LlamaConfig)
+    ids = torch.randint(0, 300, (2, 6))
+    uncompiled = generator(model, compile=False, max_batch_size=2)
+    assert uncompiled._lifecycle.phase is CompilePhase.UNCOMPILED and not uncompiled.compiled
+    assert uncompiled.wait_for_compile()._lifecycle.phase is CompilePhase.UNCOMPILED  # nothing to wait for
+    ahead = generator(model, max_batch_size=2)
+    assert ahead._lifecycle.phase is CompilePhase.AHEAD and ahead.compiled and not ahead.compiling
+    ahead.capture()
+    assert ahead._lifecycle.phase is CompilePhase.SERVING and ahead._lifecycle.captured == {GREEDY}
+
+    gen, started, release = held_compile_in_background()
+    lifecycle = gen._lifecycle
+    assert lifecycle.phase is CompilePhase.WAITING and not gen.compiled and not gen.compiling
+    with pytest.raises(RuntimeError, match=r"cannot go from 'waiting for the first capture' to 'compiling'.*generate\(\), capture\(\)"):
+        lifecycle.start()  # nothing is captured, so no compile is due
+    assert lifecycle.phase is CompilePhase.WAITING and lifecycle.running is None  # a refused move changes nothing
+    gen.capture(sampling=True)  # the first capture: uncompiled
+    assert lifecycle.phase is CompilePhase.DUE and gen.compiling and lifecycle.captured == set(SAMPLING_VARIANTS)
+    with pytest.raises(RuntimeError, match=r"no background compile runs to take \(.*'compile due'\): call the Generator's wait_for_compile"):
+        lifecycle.take()
+    gen.generate(ids, 2)  # captures the greedy step, still uncompiled; the compile starts as it returns
+    assert lifecycle.phase is CompilePhase.RUNNING and lifecycle.running is not None and not gen.compiled
+    assert started.wait(timeout=60)
+    release.set()
+    gen.wait_for_compile()
+    assert lifecycle.phase is CompilePhase.SERVING and gen.compiled and not gen.compiling and lifecycle.running is None
+    assert lifecycle.captured == {GREEDY, *SAMPLING_VARIANTS}
+    with pytest.raises(RuntimeError, match="cannot go from 'compiled' to 'compiling'"):
+        lifecycle.start()
+
+    failed, ids, expected = failing_compile_in_background()
+    failed.generate(ids, 8)
+    assert failed._lifecycle.phase is CompilePhase.RUNNING
+    with pytest.warns(UserWarning, match="compiling the decode step in the background failed"):
+        failed.capture(sampling=True)  # a step to capture waits for the compile, and takes it
+    assert failed._lifecycle.phase is CompilePhase.FAILED and failed._lifecycle.compile is None and not failed.compiled
+    assert torch.equal(failed.generate(ids, 8, do_sample=True, top_k=1), expected)

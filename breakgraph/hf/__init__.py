@@ -38,10 +38,14 @@ Modules: :mod:`~breakgraph.hf.shapes` (model shapes to try),
 :mod:`~breakgraph.hf.cache` (the static cache), :mod:`~breakgraph.hf.sdpa`
 and :mod:`~breakgraph.hf.attention` (the break),
 :mod:`~breakgraph.hf.registration` (what transformers calls),
+:mod:`~breakgraph.hf.steps` (the decode steps and the model forward they run),
 :mod:`~breakgraph.hf.compiled` (the compiled decode step),
+:mod:`~breakgraph.hf.lifecycle` (which steps are captured, and the phases of their compile),
 :mod:`~breakgraph.hf.tensor_parallel` (a model loaded tensor parallel: its ranks and their group),
 :mod:`~breakgraph.hf.sampling` (transformers' sampling filters, read from device tensors, and a
-draw a graph can hold), :mod:`~breakgraph.hf.end_tokens` and :mod:`~breakgraph.hf.generation`
+draw a graph can hold), :mod:`~breakgraph.hf.draws` (the generator the sampling graphs draw from),
+:mod:`~breakgraph.hf.requirements` and :mod:`~breakgraph.hf.prompts` (what a Generator and each
+call are checked for), :mod:`~breakgraph.hf.end_tokens` and :mod:`~breakgraph.hf.generation`
 (the Generator).
 """
 

@@ -4,6 +4,8 @@ Inductor fuses the model's kernels between attention calls; breakgraph
 captures what the compiled code launches into its segments, attention (the
 custom op of :mod:`breakgraph.hf.registration`) being the break. Inductor's
 own CUDA graphs are refused: the captured graphs are breakgraph's.
+:class:`DecodeCompile` runs the compiles a capture would otherwise meet, up
+front or in a thread of its own (:class:`BackgroundCompile`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from typing import Any, Callable, Mapping
 import torch
 
 from breakgraph.checks import refuse_unknown
+from breakgraph.hf.cache import KVCache
+from breakgraph.hf.steps import ModelForward
+from breakgraph.runner import GraphRunner
 
 COMPILE_KEYWORDS = ("backend", "mode", "options", "dynamic", "fullgraph")
 """What ``Generator(compile={...})`` hands ``torch.compile``."""
@@ -70,6 +75,51 @@ def compiled_forward(model: torch.nn.Module, keywords: Mapping[str, Any]) -> Cal
             return forward(**inputs)
 
     return run
+
+
+class DecodeCompile:
+    """The decode step's compiled forward, and the runs that compile it before a capture needs it.
+
+    torch.compile specialises a batch of 1 and makes the batch dynamic on the
+    second size it meets: run at the two smallest capture sizes, smallest
+    first, two compiles serve every size, where the runner's largest-first
+    warm-ups would need three.
+    """
+
+    def __init__(self, forward: Callable[..., Any], model_forward: ModelForward, cache: KVCache, runner: GraphRunner):
+        self.forward = forward
+        self._model_forward = model_forward
+        self._cache = cache
+        self._runner = runner
+        self._device = model_forward.device
+
+    def _sizes(self) -> list[int]:
+        return sorted({size for sizes in self._runner.sizes_by_key.values() for size in sizes})[:2]
+
+    @torch.inference_mode()
+    def ahead(self) -> None:
+        """Compile on the Generator's cache and the runner's own static inputs, before the first capture."""
+        # torch.compile guards on a tensor's kind too, and one made under inference mode (as here)
+        # is not the kind the runner passes.
+        for size in self._sizes():
+            self._model_forward(self._cache, **self._runner.inputs.views(size), compiled=self.forward)
+
+    def on_a_twin(self) -> None:
+        """:meth:`ahead` in a background thread, on a stream, a cache and inputs of its own: the
+        step being served writes the Generator's."""
+        cuda = self._device.type == "cuda"
+        with torch.cuda.stream(torch.cuda.Stream(self._device)) if cuda else contextlib.nullcontext():
+            twin = self._cache.twin()
+            # Of the kind of the runner's static inputs, which torch.compile guards on: their shapes
+            # and strides, and made under inference mode only if they were.
+            views = [self._runner.inputs.views(size) for size in self._sizes()]
+            with torch.inference_mode(next(iter(views[0].values())).is_inference()):
+                sizes = [{name: torch.zeros_like(view) for name, view in inputs.items()} for inputs in views]
+            with torch.inference_mode():
+                for inputs in sizes:
+                    self._model_forward(twin, **inputs, compiled=self.forward)
+            if cuda:
+                torch.cuda.current_stream(self._device).synchronize()
 
 
 class BackgroundCompile:

@@ -4,54 +4,29 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
-import inspect
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 from transformers import PreTrainedModel
 
 import breakgraph as bg
-from breakgraph import runtime
 from breakgraph.checks import refuse_unknown, require_bool, require_choice, require_count
 from breakgraph.hf.cache import KVCache
-from breakgraph.hf.compiled import BackgroundCompile, compile_keywords, compiled_forward
+from breakgraph.hf.compiled import DecodeCompile, compile_keywords, compiled_forward
+from breakgraph.hf.draws import Draws, require_generator_on
 from breakgraph.hf.end_tokens import EndTokens
-from breakgraph.hf.registration import ATTENTION, COMPILED_CACHE, generating_into
-from breakgraph.hf.sampling import CANDIDATES, Sampling, sample
+from breakgraph.hf.lifecycle import CaptureLifecycle, CompilePhase
+from breakgraph.hf.prompts import prompt_lengths, require_ids_in_vocabulary
+from breakgraph.hf.requirements import require_capture_sizes, require_causal_lm, require_compile_in_background
+from breakgraph.hf.requirements import require_inference_with_breakgraph_attention, require_one_rank_to_compile_beside
+from breakgraph.hf.sampling import Sampling, sample
+from breakgraph.hf.steps import AMONG_CANDIDATES, GREEDY, OVER_VOCABULARY, SAMPLING_VARIANTS, STEPS, ModelForward, candidates, step_for
 from breakgraph.hf.tensor_parallel import tensor_parallel_group, tensor_parallel_size
+
+__all__ = ["AMONG_CANDIDATES", "OVER_VOCABULARY", "STOP_CHECK_STEPS", "Generator"]  # the sampling runner's keys: named here too
 
 STOP_CHECK_STEPS = 16  # generate() reads the end tokens back this often: one host sync each
 _SAMPLING_KEYWORDS = ("do_sample", "temperature", "top_k", "top_p", "generator")
-# The sampling step's two graph variants (its runner's keys): drawing among the CANDIDATES highest
-# scores, where top-k keeps no more, or over the sorted vocabulary.
-AMONG_CANDIDATES, OVER_VOCABULARY = "among candidates", "over the vocabulary"
-_GREEDY = "greedy"
-_STEPS = (_GREEDY, AMONG_CANDIDATES, OVER_VOCABULARY)
-
-
-def _candidates(step: str) -> int | None:
-    """What :func:`sample`'s ``candidates`` is for the sampling variant ``step``."""
-    return CANDIDATES if step == AMONG_CANDIDATES else None
-
-
-def _cache_keyword(model: PreTrainedModel) -> str:
-    """The keyword the model's forward takes its cache by: ``cache`` where it has that parameter
-    (newer transformers, which deprecate ``past_key_values``), else ``past_key_values``."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def _is_causal_lm(model: Any) -> bool:
-    """Whether ``model`` is a transformers model that makes its next token's logits from the tokens
-    so far: a PreTrainedModel with a generation head (what the Generator's steps call), no encoder."""
-    return isinstance(model, PreTrainedModel) and model.can_generate() and not model.config.is_encoder_decoder
-
-
-def _takes_cache_position(model: PreTrainedModel) -> bool:
-    """Whether the model's forward takes ``cache_position`` (older transformers): without it, such
-    a forward reads the cache's length on the host to make them, which a compiled forward would
-    guard on, compiling again at every step."""
-    return "cache_position" in inspect.signature(model.forward).parameters
 
 
 class Generator:
@@ -121,52 +96,22 @@ class Generator:
         compile: bool | dict = False,
         compile_in_background: bool = False,
     ):
-        if not _is_causal_lm(model):
-            raise TypeError(
-                "Generator takes a transformers causal LM: a PreTrainedModel with a generation head, as "
-                f"AutoModelForCausalLM.from_pretrained(...) loads; got {type(model).__name__}"
-            )
+        require_causal_lm(model)
         require_count("max_length", max_length, least=2)
         require_count("max_batch_size", max_batch_size)
         require_choice("mode", mode, ("breakable", "full"))
-        if not model.is_backend_compatible():
-            raise ValueError(
-                f"{type(model).__name__} does not route its attention through transformers' AttentionInterface, "
-                "so breakgraph's attention cannot be selected for it"
-            )
+        require_inference_with_breakgraph_attention(model)
         self.model = model
-        self._require_inference_with_breakgraph_attention()
         compiling = compile_keywords(compile)
-        require_bool("compile_in_background", compile_in_background)
-        if compile_in_background and compiling is None:
-            raise ValueError("compile_in_background=True compiles the decode step: give compile=True (or torch.compile's keywords) too")
-        if capture_sizes is not None and len(capture_sizes) == 0:
-            raise ValueError(
-                "capture_sizes is empty: give the batch sizes to capture, such as [1, 2, 4], or leave it out "
-                "for the default (1, 2, 4, 8, then every multiple of 8 up to max_batch_size)"
-            )
-        if capture_sizes is not None and max(capture_sizes) > max_batch_size:
-            raise ValueError(f"capture_sizes {list(capture_sizes)} go above max_batch_size {max_batch_size}: raise max_batch_size")
+        require_compile_in_background(compile_in_background, compiling)
+        require_capture_sizes(capture_sizes, max_batch_size)
         parameter = next(model.parameters())
         self.device = parameter.device
         tp_size = tensor_parallel_size(model)
         self.cache = KVCache(model.config, max_batch_size, max_length, parameter.dtype, parameter.device, tp_size)
         group = tensor_parallel_group(model)
-        if group is not None and compile_in_background:
-            raise ValueError(
-                "compile_in_background=True compiles beside the served steps, and on a tensor-parallel model its "
-                "collectives would pair with theirs: compile up front (compile=True alone)"
-            )
-        self._cache_keyword = _cache_keyword(model)
-        self._compiled = None if compiling is None else compiled_forward(model, compiling)
-        self._compiled_serves = compiling is not None and not compile_in_background  # the decode step runs self._compiled
-        self._compile_due = False  # compile_in_background: the uncompiled step is captured, the compile not started yet
-        self._compiling: BackgroundCompile | None = None
-        self._drew_while_compiling = False  # sampled from the default generator while a background compile ran
-        # A 4D mask transformers passes on as given rather than building one: breakgraph's attention
-        # reads the rows' lengths instead, and the compiled forward then reads no host value.
-        self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
-        self._takes_cache_position = _takes_cache_position(model)
+        require_one_rank_to_compile_beside(compile_in_background, group)
+        self._model_forward = ModelForward(model, self.device)
         static = {
             "input_ids": torch.zeros(max_batch_size, 1, dtype=torch.long, device=self.device),
             "positions": torch.zeros(max_batch_size, dtype=torch.long, device=self.device),
@@ -175,34 +120,27 @@ class Generator:
         if group is not None:
             # generate() checks once per call that every rank was called alike: no exchange per step.
             options |= dict(group=group, agree_batches=False)
-        if self._compiled is not None:
+        if compiling is not None:
             options["warmup"] = 1  # each size runs before its capture: a size that compiles again does so outside it
         self.runner = bg.GraphRunner(self._decode_step, static, capture_sizes, **options)
-        # The sampling graphs draw from this generator, whatever the call draws from: a graph
-        # draws from the generators it was captured with (see _drawing_from).
-        self._draws = torch.Generator(device=self.device)
+        # The sampling graphs draw from the Draws' generator, whatever the call draws from: a graph
+        # draws from the generators it was captured with.
+        self._draws = Draws(self.device)
+        self._sampling_key = AMONG_CANDIDATES  # the variant the call being served replays (generate() sets it)
         self.sampling_runner = bg.GraphRunner(
             self._sampling_step,
             {name: torch.zeros_like(buffer) for name, buffer in static.items()} | Sampling().rows(max_batch_size, self.device),
             capture_sizes,
-            keys=[AMONG_CANDIDATES, OVER_VOCABULARY],
-            key_fn=lambda *args, **kwargs: [self._sampling_key],
-            generators=(self._draws,) if self.device.type == "cuda" else (),
+            keys=list(SAMPLING_VARIANTS),
+            key_fn=self._sampling_keys,
+            generators=self._draws.captured_with,
             **options,
         )
-        self._sampling_key = AMONG_CANDIDATES  # the variant the call being served replays
-        self._captured: set[str] = set()  # greedy, and the sampling variants, once captured
-
-    def _require_inference_with_breakgraph_attention(self) -> None:
-        # A private attribute: transformers has no public way to read the implementation a model runs.
-        implementation = self.model.config._attn_implementation
-        if implementation != ATTENTION:
-            raise ValueError(
-                f"the model uses the attention implementation {implementation!r}; select breakgraph's first: "
-                f"model.set_attn_implementation({ATTENTION!r})"
-            )
-        if self.model.training:
-            raise ValueError("Generator runs inference: put the model in eval mode first (model.eval())")
+        step_compile = None
+        if compiling is not None:
+            step_compile = DecodeCompile(compiled_forward(model, compiling), self._model_forward, self.cache, self.runner)
+        runners = [(self.runner, [GREEDY]), (self.sampling_runner, SAMPLING_VARIANTS)]
+        self._lifecycle = CaptureLifecycle(runners, self._draws, step_compile, compile_in_background)
 
     @property
     def max_batch_size(self) -> int:
@@ -215,51 +153,27 @@ class Generator:
     @property
     def compiled(self) -> bool:
         """Whether the decode step runs compiled now (``compile_in_background``: once the compile ended)."""
-        return self._compiled_serves
+        return self._lifecycle.compiled_forward is not None
 
     @property
     def compiling(self) -> bool:
         """Whether a background compile is due or under way, the uncompiled step serving meanwhile."""
-        return self._compile_due or self._compiling is not None
-
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, first_row: int = 0, decode: bool = False) -> torch.Tensor:
-        """Logits of ``input_ids`` (``(b, q)``), whose row ``r`` starts at slot ``positions[r]`` of
-        cache row ``first_row + r``; a ``decode`` step runs the compiled forward where it serves."""
-        compiled = self._compiled if decode and self._compiled_serves else None
-        return self._logits(self.cache, compiled, input_ids, positions, first_row)
-
-    def _logits(self, cache: KVCache, compiled, input_ids: torch.Tensor, positions: torch.Tensor, first_row: int = 0) -> torch.Tensor:
-        """:meth:`_forward` through ``cache``, by the ``compiled`` forward or, if None, the model's."""
-        batch, length = input_ids.shape
-        cache.begin(positions, first_row, length)
-        position_ids = cache.position_ids(batch, length)
-        inputs = dict(input_ids=input_ids, position_ids=position_ids, use_cache=True, logits_to_keep=1)
-        inputs[self._cache_keyword] = cache
-        forward = self.model
-        if compiled is not None:
-            forward = compiled
-            inputs |= {COMPILED_CACHE: cache, "attention_mask": self._no_mask}
-            if self._takes_cache_position:
-                inputs["cache_position"] = position_ids[0]  # what transformers does with them, breakgraph's cache ignores
-        with generating_into(cache):
-            output = forward(**inputs)
-        return output.logits[:, -1]
+        return self._lifecycle.compiling
 
     def _decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor):
-        logits = self._forward(input_ids, positions, decode=True)
+        logits = self._model_forward(self.cache, input_ids, positions, compiled=self._lifecycle.compiled_forward)
         return logits, logits.argmax(-1)
 
     def _sampling_step(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        temperature: torch.Tensor,
-        top_k: torch.Tensor,
-        top_p: torch.Tensor,
+        self, input_ids: torch.Tensor, positions: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
         key: str,
     ):
-        logits = self._forward(input_ids, positions, decode=True)
-        return logits, sample(logits, temperature, top_k, top_p, generator=self._draws, candidates=_candidates(key))
+        logits = self._model_forward(self.cache, input_ids, positions, compiled=self._lifecycle.compiled_forward)
+        return logits, sample(logits, temperature, top_k, top_p, generator=self._draws.generator, candidates=candidates(key))
+
+    def _sampling_keys(self, *inputs: Any, **named_inputs: Any) -> list[str]:
+        """The sampling runner's ``key_fn``: the variant the call being served replays, whatever its inputs."""
+        return [self._sampling_key]
 
     def capture(self, sampling: bool = False) -> Generator:
         """Capture every batch size of a step now, rather than on the first :meth:`generate` that
@@ -270,68 +184,8 @@ class Generator:
                 variants (what ``generate(do_sample=True)`` replays), rather than the greedy step's.
         """
         require_bool("sampling", sampling)
-        self._capture_steps([AMONG_CANDIDATES, OVER_VOCABULARY] if sampling else [_GREEDY])
+        self._lifecycle.capture(SAMPLING_VARIANTS if sampling else [GREEDY])
         return self
-
-    def _capture_steps(self, steps: Sequence[str]) -> None:
-        """Capture every batch size of the steps named (greedy, or a sampling variant) not captured
-        yet; first take the compiled step if a background compile ended."""
-        self._take_background_compile(wait=False)
-        missing = [step for step in steps if step not in self._captured]
-        if not missing:
-            return
-        self._take_background_compile(wait=True)  # CUDA refuses another thread's allocations while one captures
-        if self._compiled is not None and not self._captured:
-            if not self._compiled_serves:  # compile_in_background: started as a generate() returns
-                self._capture(missing)
-                self._compile_due = True
-                return
-            if self.runner.eager_reason is None:
-                self._compile_ahead()
-        self._capture(missing)
-
-    def _capture(self, steps: Sequence[str]) -> None:
-        for step in steps:
-            with torch.inference_mode():
-                if step == _GREEDY:
-                    self.runner.capture()
-                else:
-                    self.sampling_runner.capture(keys=[step])
-            self._captured.add(step)
-
-    def _compile_sizes(self) -> list[int]:
-        """The batch sizes to compile ahead at: the two smallest capture sizes.
-
-        torch.compile specialises a batch of 1 and makes the batch dynamic on
-        the second size it meets: smallest first, two compiles serve every
-        size, where the runner's largest-first warm-ups would need three.
-        """
-        return sorted({size for sizes in self.runner.sizes_by_key.values() for size in sizes})[:2]
-
-    @torch.inference_mode()
-    def _compile_ahead(self) -> None:
-        """Compile the decode forward at :meth:`_compile_sizes`, before the first capture."""
-        # The runner's own static inputs: torch.compile guards on a tensor's kind too, and one made
-        # under inference mode (as here) is not the kind the runner passes.
-        for size in self._compile_sizes():
-            self._logits(self.cache, self._compiled, **self.runner.inputs.views(size))
-
-    def _compile_on_a_twin(self) -> None:
-        """:meth:`_compile_ahead` in the background thread, on a stream, a cache and inputs of its
-        own: the step being served writes the Generator's."""
-        cuda = self.device.type == "cuda"
-        with torch.cuda.stream(torch.cuda.Stream(self.device)) if cuda else contextlib.nullcontext():
-            twin = self.cache.twin()
-            # Of the kind of the runner's static inputs, which torch.compile guards on: their shapes
-            # and strides, and made under inference mode only if they were.
-            views = [self.runner.inputs.views(size) for size in self._compile_sizes()]
-            with torch.inference_mode(next(iter(views[0].values())).is_inference()):
-                sizes = [{name: torch.zeros_like(view) for name, view in inputs.items()} for inputs in views]
-            with torch.inference_mode():
-                for inputs in sizes:
-                    self._logits(twin, self._compiled, **inputs)
-            if cuda:
-                torch.cuda.current_stream(self.device).synchronize()
 
     def wait_for_compile(self) -> Generator:
         """Wait for the background compile (``compile_in_background=True``) to end and capture the
@@ -339,45 +193,13 @@ class Generator:
         raised (where :meth:`generate` only warns). Returns at once where no compile is due or
         under way."""
         self._start_due_compile()
-        self._take_background_compile(wait=True, raise_error=True)
+        if self._lifecycle.phase is CompilePhase.RUNNING:
+            self._lifecycle.take(raise_error=True)
         return self
 
     def _start_due_compile(self) -> None:
-        if self._compile_due:
-            self._compile_due = False
-            self._draws.set_state(self._default_generator().get_state())  # where draws go on from during the compile
-            self._compiling = BackgroundCompile(self._compile_on_a_twin)
-
-    def _take_background_compile(self, wait: bool, raise_error: bool = False) -> None:
-        """If the background compile ended (with ``wait``, once it ends), serve the compiled step
-        from now on: capture the steps captured so far again, compiled. A failed compile leaves
-        the step uncompiled, and is raised with ``raise_error``, else warned of (a generation
-        that serves is not the place to fail for it)."""
-        compiling = self._compiling
-        if compiling is None or not (wait or compiling.finished):
-            return
-        error = compiling.error()  # waits for the thread; cleared only once it ended
-        self._compiling = None
-        self._hand_draws_back()
-        gc.collect()  # the twin cache (its layers point back at it) and its inputs
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # their blocks, cached for the compile's stream, for the captures to come
-        if error is not None:
-            self._compiled = None
-            message = "compiling the decode step in the background failed; the Generator goes on uncompiled"
-            if raise_error:
-                raise RuntimeError(message) from error
-            runtime.warn_user(f"breakgraph: {message}: {error!r}")
-            return
-        self._compiled_serves = True
-        if self.runner.eager_reason is not None:
-            return
-        for runner, variants in ((self.runner, {_GREEDY}), (self.sampling_runner, {AMONG_CANDIDATES, OVER_VOCABULARY})):
-            if self._captured & variants and not runner.released:  # a runner released by its user captures on restore()
-                runner.release()
-                with torch.inference_mode():
-                    runner.restore()  # every variant: capture() captures all of a runner's keys
-                self._captured |= variants
+        if self._lifecycle.phase is CompilePhase.DUE:
+            self._lifecycle.start()
 
     @torch.inference_mode()
     def generate(
@@ -422,26 +244,26 @@ class Generator:
         generator = sampling.pop("generator", None)
         settings = Sampling.resolve(self.model.generation_config, **sampling)
         if settings.do_sample:
-            self._require_generator_on_device(generator)
-        self._require_inference_with_breakgraph_attention()  # another attention would ignore the cache's lengths
-        prompt_lengths = self._prompt_lengths(input_ids, attention_mask, max_new_tokens)
-        self._require_ids_in_vocabulary(input_ids)
-        step = _GREEDY if not settings.do_sample else AMONG_CANDIDATES if settings.among_candidates else OVER_VOCABULARY
+            require_generator_on(self.device, generator)
+        require_inference_with_breakgraph_attention(self.model)
+        lengths = prompt_lengths(input_ids, attention_mask, max_new_tokens, self.cache)
+        require_ids_in_vocabulary(self.model, input_ids)
+        step = step_for(settings)
         ranks = self.runner.ranks  # the tensor-parallel ranks' RankGroup; None on one rank
         if ranks is not None:  # before anything runs: ranks called differently would pair unrelated collectives
-            rows = prompt_lengths + [0] * (self.max_batch_size - len(prompt_lengths))
+            rows = lengths + [0] * (self.max_batch_size - len(lengths))
             ranks.same(
-                [*input_ids.shape, max_new_tokens, _STEPS.index(step), return_logits, *rows],
+                [*input_ids.shape, max_new_tokens, STEPS.index(step), return_logits, *rows],
                 "generate()'s prompts (batch, length, attention_mask), max_new_tokens, do_sample (and top_k's variant) "
                 "and return_logits",
             )
-        self._capture_steps([step])  # before the prefill: capturing runs the step, which writes cache slots
+        self._lifecycle.capture([step])  # before the prefill: capturing runs the step, which writes cache slots
         if settings.do_sample:
             self._sampling_key = step
         input_ids = input_ids.to(self.device)
         end = EndTokens.resolve(self.model.generation_config, eos_token_id, pad_token_id)
-        with self._drawing_from(generator) if settings.do_sample else contextlib.nullcontext():
-            tokens, logits = self._new_tokens(input_ids, prompt_lengths, max_new_tokens, end, return_logits, settings)
+        with self._lifecycle.drawing_from(generator, ranks) if settings.do_sample else contextlib.nullcontext():
+            tokens, logits = self._new_tokens(input_ids, lengths, max_new_tokens, end, return_logits, settings)
         tokens = end.pad_after_stop(tokens)
         out = torch.cat([input_ids, tokens], dim=1)
         self._start_due_compile()  # once this call's tokens are made: the compile would slow them (see compile_in_background)
@@ -454,10 +276,10 @@ class Generator:
         """Up to ``max_new_tokens`` tokens per row (the prefill's, then one per decode step, until
         every row has ended), and their logits if ``keep_logits``."""
         tokens = torch.empty(input_ids.shape[0], max_new_tokens, dtype=torch.long, device=self.device)
-        first = self._prefill(input_ids, prompt_lengths)
+        first = self._model_forward.prefill(self.cache, input_ids, prompt_lengths)
         if settings.do_sample:
             rows = settings.rows(input_ids.shape[0], self.device)
-            tokens[:, 0] = sample(first, **rows, generator=self._draws, candidates=_candidates(self._sampling_key))
+            tokens[:, 0] = sample(first, **rows, generator=self._draws.generator, candidates=candidates(self._sampling_key))
             decode = functools.partial(self.sampling_runner, **rows)
         else:
             tokens[:, 0] = first.argmax(-1)
@@ -475,99 +297,3 @@ class Generator:
             if produced % STOP_CHECK_STEPS == 0 and end.all_stopped(tokens[:, :produced]):
                 return tokens[:, :produced], logits
         return tokens, logits
-
-    def _require_generator_on_device(self, generator: Any) -> None:
-        if generator is None:
-            return
-        if not isinstance(generator, torch.Generator):
-            raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-        device = generator.device
-        if device.type != self.device.type or device.index not in (None, self.device.index):
-            raise ValueError(
-                f"generator is on {device}, but the model is on {self.device}, where the tokens are drawn: "
-                f"pass one made there, torch.Generator({str(self.device)!r})"
-            )
-
-    @contextlib.contextmanager
-    def _drawing_from(self, generator: torch.Generator | None) -> Iterator[None]:
-        """Draw from ``generator`` (None: the device's default) for the body's length, through the
-        Generator's own generator, which the sampling graphs were captured with: it starts from
-        ``generator``'s state and hands the advanced state back, as if ``generator`` had drawn."""
-        if generator is None and self._compiling is not None:
-            # Dynamo sets the default generators back to their state at a compile's start as the
-            # compile ends: while one runs, the draws go on from the Generator's own state, which
-            # the default generator takes once the compile is taken (_hand_draws_back).
-            self._drew_while_compiling = True
-            yield
-            return
-        chain = self._draws.get_state() if self._compiling is not None else None
-        if generator is None:
-            generator = self._default_generator()
-        state = generator.get_state()
-        if self.runner.ranks is not None:  # every rank draws rank 0's numbers: tokens that differ would part the ranks
-            self.runner.ranks.broadcast(state)
-        self._draws.set_state(state)
-        try:
-            yield
-        finally:
-            generator.set_state(self._draws.get_state())
-            if chain is not None:
-                self._draws.set_state(chain)  # what the default generator's draws go on from during the compile
-
-    def _default_generator(self) -> torch.Generator:
-        return torch.cuda.default_generators[self.device.index] if self.device.type == "cuda" else torch.default_generator
-
-    def _hand_draws_back(self) -> None:
-        """Give the default generator the state the draws made during a background compile reached."""
-        if self._drew_while_compiling:
-            self._drew_while_compiling = False
-            self._default_generator().set_state(self._draws.get_state())
-
-    def _prompt_lengths(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int) -> list[int]:
-        """Each row's prompt length, once the call is checked against the cache."""
-        if input_ids.ndim != 2 or 0 in input_ids.shape:
-            raise ValueError(f"input_ids must be (batch, prompt length), with rows and a prompt, got shape {tuple(input_ids.shape)}")
-        n, length = input_ids.shape
-        if n > self.max_batch_size:
-            raise ValueError(f"{n} prompts, but this Generator's cache holds {self.max_batch_size} rows (max_batch_size)")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        if length + max_new_tokens > self.max_length:
-            raise ValueError(
-                f"a {length}-token prompt and {max_new_tokens} new tokens need {length + max_new_tokens} cache slots, "
-                f"but this Generator holds {self.max_length} (max_length)"
-            )
-        if attention_mask is None:
-            return [length] * n
-        mask = attention_mask.to("cpu", torch.bool)
-        lengths = mask.sum(1).tolist()
-        for row, real in enumerate(lengths):
-            if real == 0 or not bool(mask[row, length - real :].all()):
-                raise ValueError(f"row {row} of attention_mask is not left-padded (zeros, then ones, at least one)")
-        return lengths
-
-    def _require_ids_in_vocabulary(self, input_ids: torch.Tensor) -> None:
-        """Refuse a token id the embedding has no row for: on a GPU, its lookup would be a
-        device-side assert, which leaves the process's CUDA context unusable. One host read."""
-        vocabulary = self.model.get_input_embeddings().num_embeddings
-        lowest, highest = torch.stack(torch.aminmax(input_ids)).tolist()
-        if lowest >= 0 and highest < vocabulary:
-            return
-        bad = lowest if lowest < 0 else highest
-        row, position = (input_ids == bad).nonzero()[0].tolist()
-        raise ValueError(
-            f"input_ids holds token id {bad} (row {row}, position {position}), outside the model's vocabulary of "
-            f"{vocabulary} tokens (ids 0 to {vocabulary - 1}): tokenize with the model's own tokenizer"
-        )
-
-    def _prefill(self, input_ids: torch.Tensor, prompt_lengths: list[int]) -> torch.Tensor:
-        """Run the prompts eagerly into the cache; the logits of each row's last prompt token."""
-        n, length = input_ids.shape
-        if len(set(prompt_lengths)) == 1 and prompt_lengths[0] == length:
-            self.cache.lengths.set(prompt_lengths)
-            return self._forward(input_ids, torch.zeros(n, dtype=torch.long, device=self.device))
-        rows, zero = [], torch.zeros(1, dtype=torch.long, device=self.device)
-        for row, real in enumerate(prompt_lengths):  # left padding is not the model's input: one row at a time
-            self.cache.lengths.set([real])
-            rows.append(self._forward(input_ids[row : row + 1, length - real :], zero, first_row=row))
-        return torch.cat(rows)
