@@ -43,17 +43,8 @@ import torch
 import breakgraph_bindings as bindings
 import breakgraph as bg
 from benchmarks.common import benchmark_parser, device_meta, noop, plot_lines, replay_each, require_gpu, write_outputs
-from benchmarks.decoder import (
-    BatchInputs,
-    Decoder,
-    DecoderConfig,
-    MetaBreakable,
-    capture_breakgraph_sizes,
-    capture_piecewise_sizes,
-    check_sizes,
-    graphs_replay,
-    runner_replay,
-)
+from benchmarks.decoder import Decoder, DecoderConfig, MetaBreakable
+from benchmarks.decoder_sizes import BatchInputs, capture_breakgraph_sizes, capture_piecewise_sizes, check_sizes, graphs_replay, runner_replay
 from benchmarks.peers import META, capture_meta_region, load_meta, meta_ratios
 
 

@@ -57,6 +57,11 @@ def require_gpu(benchmark: str) -> None:
         raise SystemExit(2)
 
 
+def verdict(ratio: float, target: float, at_most: bool) -> str:
+    """Whether ``ratio`` meets ``target`` (at most it, or at least it), as a target line says it."""
+    return "met" if (ratio <= target if at_most else ratio >= target) else "NOT met"
+
+
 def time_per_call_us(fn, iters: int, repeats: int = 5) -> float:
     """Median over ``repeats`` of the wall time per call of ``fn`` (host issue + GPU drain), in µs."""
     results = []

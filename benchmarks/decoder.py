@@ -2,9 +2,10 @@
 
 Each layer is RMSNorm, a fused QKV projection, rotary embedding, grouped-query
 attention over a KV cache, an output projection and a SwiGLU MLP, in bf16.
-Attention is the part a graph cannot hold: it reads the cache up to a live
-length kept in a host-side metadata object that the engine changes every
-step (as vLLM's attention metadata), so its shapes change every step.
+Attention (:mod:`benchmarks.attention`) is the part a graph cannot hold: it
+reads the cache up to a live length kept in a host-side metadata object that
+the engine changes every step (as vLLM's attention metadata), so its shapes
+change every step.
 
 Ways to run a step, all on the same weights and cache:
 
@@ -24,7 +25,8 @@ Ways to run a step, all on the same weights and cache:
 
 A :class:`TensorParallel` shards the decoder Megatron-style over several
 ranks (:mod:`benchmarks.tensor_parallel`); on one rank, the default, the
-decoder is the same model, weight for weight.
+decoder is the same model, weight for weight. :mod:`benchmarks.decoder_sizes`
+captures it at many batch sizes, as an engine does at start-up.
 """
 
 from __future__ import annotations
@@ -35,11 +37,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend
 
-import breakgraph as bg
 from breakgraph.runtime import run_on_stream
-from benchmarks.decode_attention import split_k_decode
+from benchmarks.attention import AttentionMetadata, attention
 
 
 @dataclass(frozen=True)
@@ -90,16 +90,6 @@ class TensorParallel:
         return seed + 1_000_003 * self.rank
 
 
-class AttentionMetadata:
-    """What the engine updates in place before every step: tokens already in the cache
-    (``length``, on the host) and, for full graphs, each row's write slot on the device
-    (``positions``)."""
-
-    def __init__(self, length: int, positions: torch.Tensor | None = None):
-        self.length = length
-        self.positions = positions
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     variance = x.float().pow(2).mean(-1, keepdim=True)
     return (x.float() * torch.rsqrt(variance + eps)).to(x.dtype) * weight
@@ -110,46 +100,6 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     first, second = x.float().chunk(2, dim=-1)
     return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1).to(x.dtype)
 
-
-def attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-    """Append this step's keys and values at ``meta.length``; attend over the live prefix.
-
-    ``q`` [batch, heads, head_dim]; ``k``, ``v`` [batch, kv_heads, head_dim];
-    caches [batch, capacity, kv_heads, head_dim] (token-major, as flash
-    attention's variable-length kernels read them). The prefix length is read
-    from the host object, so every step has new shapes.
-    """
-    length = meta.length
-    k_cache[:, length] = k
-    v_cache[:, length] = v
-    keys, values = live_keys_values(k_cache, v_cache, length + 1)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, enable_gqa=True)
-    return out.reshape(q.shape[0], -1)
-
-
-def live_keys_values(k_cache, v_cache, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``length`` cached keys and values as SDPA reads them, [batch, kv_heads, length, head_dim]."""
-    return k_cache[:, :length].transpose(1, 2), v_cache[:, :length].transpose(1, 2)
-
-
-def attention_backend(q, k_cache, v_cache, length: int) -> str:
-    """The SDPA backend :func:`attention` runs at a live ``length`` ("CUDNN_ATTENTION",
-    "FLASH_ATTENTION", ...). cuDNN's builds a plan for every new shape, so there each new
-    length pays for one, once per batch size."""
-    keys, values = live_keys_values(k_cache, v_cache, length + 1)
-    return SDPBackend(torch._fused_sdp_choice(q.unsqueeze(2), keys, values, enable_gqa=True)).name
-
-
-def attention_from_positions(q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-    """:func:`attention`, capturable: each row's write slot and live length come from
-    ``meta.positions``, a device tensor, read by a Triton split-K kernel that also writes
-    the cache (:mod:`benchmarks.decode_attention` says why this kernel: it was the fastest
-    capturable attention measured, faster than the eager one with its length frozen)."""
-    return split_k_decode(q, k, v, k_cache, v_cache, meta.positions[: q.shape[0]])
-
-
-# The break of breakable graphs; in full graphs (breaks="inline") its capturable variant.
-attention_break = bg.eager_on_graph(attention, inline=attention_from_positions)
 
 
 class Decoder:
@@ -302,75 +252,6 @@ class MetaBreakable:
         self.graph.replay()
 
 
-# -- capturing at many batch sizes, as an engine does at start-up ----------------------
-
-
-class BatchInputs:
-    """Max-size static inputs (hidden states, positions) and the step's metadata."""
-
-    def __init__(self, decoder: Decoder, max_batch: int, length: int):
-        self.decoder = decoder
-        self.meta = AttentionMetadata(length)
-        self.x = decoder.same_on_every_rank(torch.randn(max_batch, decoder.config.hidden, device="cuda", dtype=decoder.config.dtype))
-        self.positions = torch.full((max_batch,), length, device="cuda", dtype=torch.long)
-
-    def step_fn(self, attend):
-        """``fn(x, positions)`` for the runner: a decoder step calling ``attend`` for attention."""
-        return lambda x, positions: self.decoder.step(x, positions, self.meta, attend)
-
-    def warm_up(self, sizes, stream: torch.cuda.Stream) -> None:
-        """One eager step at every size on ``stream``: CUDA loads each kernel on first use, and
-        cuBLAS makes the stream's workspace; neither belongs to any variant's capture."""
-
-        def steps():
-            for size in sizes:
-                self.decoder.step(self.x[:size], self.positions[:size], self.meta)
-
-        run_on_stream(stream, steps)
-        torch.cuda.synchronize()
-
-    def refill(self, size: int) -> torch.Tensor:
-        """Fresh random hidden states in the first ``size`` rows; eager's output for them."""
-        self.decoder.same_on_every_rank(self.x[:size].copy_(torch.randn_like(self.x[:size])))
-        return self.decoder.step(self.x[:size], self.positions[:size], self.meta).clone()
-
-
-def capture_breakgraph_sizes(inputs: BatchInputs, sizes, **runner_options) -> bg.GraphRunner:
-    """breakgraph's way: one GraphRunner, largest size first, one shared pool (default options
-    unless ``runner_options`` says otherwise)."""
-    runner = bg.GraphRunner(inputs.step_fn(attention_break), (inputs.x, inputs.positions), sizes, progress=False, **runner_options)
-    return runner.capture()
-
-
-def capture_piecewise_sizes(inputs: BatchInputs, sizes, pool, stream, warmup: int = 1, way=TorchPiecewise) -> dict:
-    """The peers' way: per size (largest first), warm up eagerly, then capture with ``way(pool)``
-    (:class:`TorchPiecewise`, one graph per segment; or a :class:`MetaBreakable`)."""
-    captured = {}
-    for size in sorted(sizes, reverse=True):
-        x, positions = inputs.x[:size], inputs.positions[:size]
-
-        def warm_up():
-            for _ in range(warmup):
-                inputs.decoder.step(x, positions, inputs.meta)
-
-        run_on_stream(stream, warm_up)
-        piecewise = way(pool)
-        output = piecewise.capture(lambda attend: inputs.decoder.step(x, positions, inputs.meta, attend), stream)
-        captured[size] = (piecewise, output)
-    return captured
-
-
-def capture_monolithic_sizes(inputs: BatchInputs, sizes, pool, stream) -> dict:
-    """Monolithic ``torch.cuda.graph`` per size (largest first) in one pool, length frozen at capture."""
-    captured = {}
-    for size in sorted(sizes, reverse=True):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
-            output = inputs.decoder.step(inputs.x[:size], inputs.positions[:size], inputs.meta)
-        captured[size] = (graph, output)
-    return captured
-
-
 def assert_matches_eager(got: torch.Tensor, expected: torch.Tensor, what: str) -> float:
     """Fail unless ``got`` is eager's output up to bf16 rounding; return the largest difference.
 
@@ -389,35 +270,3 @@ def assert_matches_eager(got: torch.Tensor, expected: torch.Tensor, what: str) -
     assert difference.max().item() <= scale * 2**-3, f"{what}: max difference {difference.max().item()} of {scale}"
     assert difference.mean().item() <= mean * 2**-4, f"{what}: mean difference {difference.mean().item()} of {mean}"
     return difference.max().item()
-
-
-def check_sizes(inputs: BatchInputs, run, sizes) -> float:
-    """Check ``run(size)`` (replay at ``size``, return the output) against eager on fresh inputs.
-
-    The output is poisoned and the replay repeated, so an unwritten buffer
-    shows. Returns the largest difference.
-    """
-    worst = 0.0
-    for size in sizes:
-        expected = inputs.refill(size)
-        run(size).fill_(float("nan"))
-        got = run(size)
-        torch.cuda.synchronize()
-        worst = max(worst, assert_matches_eager(got, expected, f"batch {size}"))
-    return worst
-
-
-def runner_replay(inputs: BatchInputs, runner: bg.GraphRunner):
-    """``run(size)`` for :func:`check_sizes`: the runner on the first ``size`` rows of the inputs."""
-    return lambda size: runner(inputs.x[:size].clone(), inputs.positions[:size].clone())
-
-
-def graphs_replay(graphs: dict):
-    """``run(size)`` for :func:`check_sizes` over {size: (graph with ``replay()``, output)}."""
-
-    def run(size):
-        graph, output = graphs[size]
-        graph.replay()
-        return output
-
-    return run

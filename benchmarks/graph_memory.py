@@ -31,7 +31,9 @@ import breakgraph_bindings as bindings
 from breakgraph.pool import PoolUsage
 
 from benchmarks.common import benchmark_parser, device_meta, require_gpu, time_variants, write_outputs
-from benchmarks.decoder import BatchInputs, Decoder, DecoderConfig, attention_break, check_sizes, runner_replay
+from benchmarks.attention import attention_break
+from benchmarks.decoder import Decoder, DecoderConfig
+from benchmarks.decoder_sizes import BatchInputs, check_sizes, runner_replay
 
 LENGTH = 1015
 MIB = 2**20
@@ -40,11 +42,6 @@ MIB = 2**20
 def free_after_sync() -> int:
     torch.cuda.synchronize()
     return bindings.free_device_memory()
-
-
-def outputs_at(inputs: BatchInputs, runner: bg.GraphRunner, sizes) -> dict:
-    """The runner's output at each of ``sizes`` on fixed inputs, cloned."""
-    return {size: runner(inputs.x[:size].clone(), inputs.positions[:size].clone()).clone() for size in sizes}
 
 
 def bit_identical(before: dict, after: dict) -> bool:
@@ -56,19 +53,48 @@ def largest_difference(before: dict, after: dict) -> float:
 
 
 def measure_model(name: str, config: DecoderConfig, sizes: list[int]) -> tuple[list[dict], dict]:
-    decoder = Decoder(config, max_batch=max(sizes))
-    inputs = BatchInputs(decoder, max(sizes), LENGTH)
-    inputs.warm_up(sizes, torch.cuda.Stream())
-    make = lambda **options: bg.GraphRunner(  # noqa: E731  (measured: memory() counts the executables)
-        inputs.step_fn(attention_break), (inputs.x, inputs.positions), sizes, progress=False, measure_memory=True, **options
+    """One model's rows and facts: its steps in turn, the runner that owns its executables
+    kept beside the shared one, so that a switch between sizes costs each its own way."""
+    model = ModelMeasurement(name, config, sizes)
+    runner, measured = model.capture_own()
+    reference = model.release_executables(runner, measured)
+    model.release_everything(runner, measured, reference)
+    shared, shared_memory, sharing = model.capture_shared()
+    switching = model.switch_cost(runner, shared)
+    model.release_shared(shared, shared_memory)
+    model.facts.update(
+        sharing, executables_own=measured["executable_bytes"], executables_shared=shared_memory["executable_bytes"], **switching
     )
-    rows, facts = [], {"sizes": len(sizes)}
+    del runner, shared
+    return model.rows, model.facts
 
-    def row(variant, pool=None, executables=None, total=None, seconds=None, note=""):
+
+class ModelMeasurement:
+    """The decoder of ``config`` at ``sizes``, warm, and the rows and facts its steps fill in."""
+
+    def __init__(self, name: str, config: DecoderConfig, sizes: list[int]):
+        self.name, self.sizes = name, sizes
+        self.inputs = BatchInputs(Decoder(config, max_batch=max(sizes)), max(sizes), LENGTH)
+        self.inputs.warm_up(sizes, torch.cuda.Stream())
+        self.rows, self.facts = [], {"sizes": len(sizes)}
+
+    def make_runner(self, **options) -> bg.GraphRunner:
+        """A runner at every size that measures its executables (``memory()`` counts them)."""
+        inputs = self.inputs
+        return bg.GraphRunner(
+            inputs.step_fn(attention_break), (inputs.x, inputs.positions), self.sizes, progress=False, measure_memory=True, **options
+        )
+
+    def outputs(self, runner: bg.GraphRunner) -> dict:
+        """The runner's output at each size on fixed inputs, cloned."""
+        x, positions = self.inputs.x, self.inputs.positions
+        return {size: runner(x[:size].clone(), positions[:size].clone()).clone() for size in self.sizes}
+
+    def row(self, variant, pool=None, executables=None, total=None, seconds=None, note=""):
         mib = lambda value: "" if value is None else round(value / MIB, 1)  # noqa: E731
-        rows.append(
+        self.rows.append(
             {
-                "model": name,
+                "model": self.name,
                 "variant": variant,
                 "pool_mib": mib(pool),
                 "executable_mib": mib(executables),
@@ -78,131 +104,138 @@ def measure_model(name: str, config: DecoderConfig, sizes: list[int]) -> tuple[l
             }
         )
 
-    # One executable per segment per size: the estimate first, then the rest of the sizes.
-    free_start = free_after_sync()
-    runner = make()
-    estimate = runner.estimate_memory()
-    started = time.perf_counter()
-    runner.capture()
-    capture_s = time.perf_counter() - started
-    device_taken = free_start - free_after_sync()
-    worst = check_sizes(inputs, runner_replay(inputs, runner), sizes)
-    measured = runner.memory()
-    error = estimate.total_bytes / measured["total_bytes"] - 1
-    row("estimate_memory(), 5 probes", estimate.pool_bytes, estimate.executable_bytes, estimate.total_bytes,
-        estimate.seconds, f"{error:+.1%} vs measured; probes {list(estimate.probed_sizes)}")
-    row("measured: breakgraph runner.memory()", measured["pool_bytes"], measured["executable_bytes"], measured["total_bytes"],
-        capture_s + estimate.seconds, f"{len(sizes)} sizes captured; max abs diff vs eager {worst:.3g}")
-    row("measured: cudaMemGetInfo around the capture", total=device_taken, note="pool + executables + anything else")
-    final = PoolUsage.of(runner.pool)
-    facts.update(
-        estimate_error=round(error, 4),
-        max_abs_diff=worst,
-        estimate={"pool": estimate.pool_bytes, "executables": estimate.executable_bytes,
-                  "allocated_after_probes": estimate.pool_allocated_after_probes,
-                  "probes": [vars(probe) for probe in estimate.probes]},
-        measured={"pool": final.reserved_bytes, "allocated": final.allocated_bytes,
-                  "executables": measured["executable_bytes"],
-                  "nodes_by_size": {size: sum(s.num_nodes for s in runner.graphs[(None, size)].segments) for size in sizes},
-                  "executable_bytes_by_size": {size: runner.graphs[(None, size)].executable_bytes for size in sizes}},
-    )
+    def capture_own(self) -> tuple[bg.GraphRunner, dict]:
+        """One executable per segment per size: the estimate first, then the rest of the sizes;
+        the runner and its ``memory()``."""
+        inputs, sizes = self.inputs, self.sizes
+        free_start = free_after_sync()
+        runner = self.make_runner()
+        estimate = runner.estimate_memory()
+        started = time.perf_counter()
+        runner.capture()
+        capture_s = time.perf_counter() - started
+        device_taken = free_start - free_after_sync()
+        worst = check_sizes(inputs, runner_replay(inputs, runner), sizes)
+        measured = runner.memory()
+        error = estimate.total_bytes / measured["total_bytes"] - 1
+        self.row("estimate_memory(), 5 probes", estimate.pool_bytes, estimate.executable_bytes, estimate.total_bytes,
+                 estimate.seconds, f"{error:+.1%} vs measured; probes {list(estimate.probed_sizes)}")
+        self.row("measured: breakgraph runner.memory()", measured["pool_bytes"], measured["executable_bytes"], measured["total_bytes"],
+                 capture_s + estimate.seconds, f"{len(sizes)} sizes captured; max abs diff vs eager {worst:.3g}")
+        self.row("measured: cudaMemGetInfo around the capture", total=device_taken, note="pool + executables + anything else")
+        final = PoolUsage.of(runner.pool)
+        self.facts.update(
+            estimate_error=round(error, 4),
+            max_abs_diff=worst,
+            estimate={"pool": estimate.pool_bytes, "executables": estimate.executable_bytes,
+                      "allocated_after_probes": estimate.pool_allocated_after_probes,
+                      "probes": [vars(probe) for probe in estimate.probes]},
+            measured={"pool": final.reserved_bytes, "allocated": final.allocated_bytes,
+                      "executables": measured["executable_bytes"],
+                      "nodes_by_size": {size: sum(s.num_nodes for s in runner.graphs[(None, size)].segments) for size in sizes},
+                      "executable_bytes_by_size": {size: runner.graphs[(None, size)].executable_bytes for size in sizes}},
+        )
+        return runner, measured
 
-    # Executables only: release (the driver's memory), trim, restore (instantiation time).
-    reference = outputs_at(inputs, runner, sizes)
-    again = outputs_at(inputs, runner, sizes)  # how alike two rounds of replays are, nothing released
-    facts.update(replays_bit_identical=bit_identical(reference, again), replays_differ_by=largest_difference(reference, again))
-    released = runner.release(keep_graphs=True)
-    free_released = free_after_sync()
-    bindings.trim_graph_memory(torch.cuda.current_device())
-    trimmed = free_after_sync() - free_released
-    restored = runner.restore()
-    after = outputs_at(inputs, runner, sizes)
-    same = bit_identical(reference, after)
-    facts.update(keep_graphs_differ_by=largest_difference(reference, after))
-    row("release(keep_graphs=True)", executables=released["freed_bytes"], seconds=released["seconds"],
-        note=f"executables measured at instantiation: {measured['executable_bytes'] / MIB:.1f} MiB; "
-        f"cudaDeviceGraphMemTrim then freed {trimmed / MIB:.1f} MiB")
-    row("restore(): instantiate again", executables=restored["taken_bytes"], seconds=restored["seconds"],
-        note=f"replays bit-identical to before: {same} (differ by {facts['keep_graphs_differ_by']:.3g}; "
-        f"two rounds of replays, nothing released, differ by {facts['replays_differ_by']:.3g})")
-    facts.update(executables_freed=released["freed_bytes"], trim_freed=trimmed, keep_graphs_bit_identical=same)
+    def release_executables(self, runner: bg.GraphRunner, measured: dict) -> dict:
+        """Executables only: release (the driver's memory), trim, restore (instantiation time).
+        Returns the replays' outputs before, which every later restore is held to."""
+        reference = self.outputs(runner)
+        again = self.outputs(runner)  # how alike two rounds of replays are, nothing released
+        self.facts.update(replays_bit_identical=bit_identical(reference, again), replays_differ_by=largest_difference(reference, again))
+        released = runner.release(keep_graphs=True)
+        free_released = free_after_sync()
+        bindings.trim_graph_memory(torch.cuda.current_device())
+        trimmed = free_after_sync() - free_released
+        restored = runner.restore()
+        after = self.outputs(runner)
+        same = bit_identical(reference, after)
+        self.facts.update(keep_graphs_differ_by=largest_difference(reference, after))
+        self.row("release(keep_graphs=True)", executables=released["freed_bytes"], seconds=released["seconds"],
+                 note=f"executables measured at instantiation: {measured['executable_bytes'] / MIB:.1f} MiB; "
+                 f"cudaDeviceGraphMemTrim then freed {trimmed / MIB:.1f} MiB")
+        self.row("restore(): instantiate again", executables=restored["taken_bytes"], seconds=restored["seconds"],
+                 note=f"replays bit-identical to before: {same} (differ by {self.facts['keep_graphs_differ_by']:.3g}; "
+                 f"two rounds of replays, nothing released, differ by {self.facts['replays_differ_by']:.3g})")
+        self.facts.update(executables_freed=released["freed_bytes"], trim_freed=trimmed, keep_graphs_bit_identical=same)
+        return reference
 
-    # Switching sizes costs nothing without sharing: the baseline for the shared runner below.
-    small, large = sizes[1], sizes[-1]
-    alternating = lambda r: (lambda: (r(inputs.x[:small], inputs.positions[:small]), r(inputs.x[:large], inputs.positions[:large])))  # noqa: E731
-    same_sizes = lambda r: (lambda: (r(inputs.x[:large], inputs.positions[:large]), r(inputs.x[:large], inputs.positions[:large])))  # noqa: E731
+    def release_everything(self, runner: bg.GraphRunner, measured: dict, reference: dict) -> None:
+        """Everything: release the pool and the executables, restore by capturing again."""
+        released = runner.release(keep_graphs=False)
+        restored = runner.restore()
+        after = self.outputs(runner)
+        same = bit_identical(reference, after)
+        self.facts.update(everything_differs_by=largest_difference(reference, after))
+        share = released["freed_bytes"] / max(1, measured["total_bytes"])
+        self.row("release(): everything", total=released["freed_bytes"], seconds=released["seconds"],
+                 note=f"{share:.0%} of what the graphs held ({released['freed_bytes'] / max(1, measured['pool_bytes']):.0%} of the pool)")
+        self.row("restore(): capture again", total=restored["taken_bytes"], seconds=restored["seconds"],
+                 note=f"replays bit-identical to before: {same} (differ by {self.facts['everything_differs_by']:.3g})")
+        self.facts.update(release_all_share=round(share, 3), release_all_bit_identical=same)
 
-    # Everything: release the pool and the executables, restore by capturing again.
-    released = runner.release(keep_graphs=False)
-    restored = runner.restore()
-    after = outputs_at(inputs, runner, sizes)
-    same = bit_identical(reference, after)
-    facts.update(everything_differs_by=largest_difference(reference, after))
-    share = released["freed_bytes"] / max(1, measured["total_bytes"])
-    row("release(): everything", total=released["freed_bytes"], seconds=released["seconds"],
-        note=f"{share:.0%} of what the graphs held ({released['freed_bytes'] / max(1, measured['pool_bytes']):.0%} of the pool)")
-    row("restore(): capture again", total=restored["taken_bytes"], seconds=restored["seconds"],
-        note=f"replays bit-identical to before: {same} (differ by {facts['everything_differs_by']:.3g})")
-    facts.update(release_all_share=round(share, 3), release_all_bit_identical=same)
+    def capture_shared(self) -> tuple[bg.GraphRunner, dict, dict]:
+        """Executables shared across sizes: the runner, its ``memory()``, and what it shared and refused."""
+        inputs, sizes = self.inputs, self.sizes
+        shared = self.make_runner(share_executables=True)
+        free_before = free_after_sync()
+        started = time.perf_counter()
+        shared.capture()
+        shared_capture_s = time.perf_counter() - started
+        shared_taken = free_before - free_after_sync()
+        worst_shared = check_sizes(inputs, runner_replay(inputs, shared), sizes)
+        shared_memory = shared.memory()
+        refusals = [refusal for refused in shared.refusals.values() for refusal in refused]
+        reasons = sorted({reason for refusal in refusals for reason in refusal.reasons})
+        graph_segments = [s for graph in shared.graphs.values() for s in graph.segments if s.kind == "graph"]
+        executables = sum(1 for s in graph_segments if s.executable is not None)
+        self.row("share_executables=True", shared_memory["pool_bytes"], shared_memory["executable_bytes"],
+                 shared_memory["total_bytes"], shared_capture_s,
+                 f"{executables} executables for {len(graph_segments)} graph segments; {len(refusals)} segments refused "
+                 f"{reasons}; cudaMemGetInfo around the capture {shared_taken / MIB:.1f} MiB; max abs diff {worst_shared:.3g}")
+        sharing = {"refusals": len(refusals), "executables_kept": executables, "graph_segments": len(graph_segments), "refusal_reasons": reasons}
+        return shared, shared_memory, sharing
 
-    # Executables shared across sizes.
-    shared = make(share_executables=True)
-    free_before = free_after_sync()
-    started = time.perf_counter()
-    shared.capture()
-    shared_capture_s = time.perf_counter() - started
-    shared_taken = free_before - free_after_sync()
-    worst_shared = check_sizes(inputs, runner_replay(inputs, shared), sizes)
-    shared_memory = shared.memory()
-    refusals = [refusal for refused in shared.refusals.values() for refusal in refused]
-    reasons = sorted({reason for refusal in refusals for reason in refusal.reasons})
-    segments = sum(1 for segment in shared.graphs[(None, large)].segments if segment.kind == "graph")
-    graph_segments = [s for graph in shared.graphs.values() for s in graph.segments if s.kind == "graph"]
-    executables = sum(1 for s in graph_segments if s.executable is not None)
-    row("share_executables=True", shared_memory["pool_bytes"], shared_memory["executable_bytes"],
-        shared_memory["total_bytes"], shared_capture_s,
-        f"{executables} executables for {len(graph_segments)} graph segments; {len(refusals)} segments refused "
-        f"{reasons}; cudaMemGetInfo around the capture {shared_taken / MIB:.1f} MiB; max abs diff {worst_shared:.3g}")
-    timings = time_variants(
-        {
-            "own, alternating": alternating(runner),
-            "own, same size": same_sizes(runner),
-            "shared, alternating": alternating(shared),
-            "shared, same size": same_sizes(shared),
-        },
-        iters=20,
-    )
-    # Each alternating pair switches twice; the same-size pair replays the large size twice.
-    switch_us = ((timings["shared, alternating"] - timings["own, alternating"]) / 2)
-    row("switch cost per replay (shared)", seconds=switch_us / 1e6,
-        note=f"{switch_us:.0f} µs per size change, {switch_us / segments:.1f} µs per segment "
-        f"(pairs of replays: own {timings['own, alternating']:.0f} µs alternating, shared "
-        f"{timings['shared, alternating']:.0f} µs alternating, {timings['shared, same size']:.0f} µs same size)")
-    released = shared.release(keep_graphs=True)
-    restored = shared.restore()  # instantiates every segment again, then shares
-    row("restore(), shared executables: instantiate and share", executables=restored["taken_bytes"],
-        seconds=restored["seconds"], note="compare restore(): instantiate again above (no sharing)")
-    shared_reference = outputs_at(inputs, shared, sizes)
-    released = shared.release(keep_graphs=False)
-    restored = shared.restore()
-    shared_after = outputs_at(inputs, shared, sizes)
-    shared_share = released["freed_bytes"] / max(1, shared_memory["total_bytes"])
-    row("release(): everything, shared executables", total=released["freed_bytes"], seconds=released["seconds"],
-        note=f"{shared_share:.0%} of what the graphs held; restore (capture again) {restored['seconds']:.2f} s, "
-        f"replays differ from before by {largest_difference(shared_reference, shared_after):.3g}")
-    facts.update(release_all_shared_share=round(shared_share, 3))
-    facts.update(
-        refusals=len(refusals),
-        executables_kept=executables,
-        graph_segments=len(graph_segments),
-        refusal_reasons=reasons,
-        executables_own=measured["executable_bytes"],
-        executables_shared=shared_memory["executable_bytes"],
-        switch_us=round(switch_us, 1),
-        pair_timings_us={k: round(v, 1) for k, v in timings.items()},
-    )
-    del runner, shared
-    return rows, facts
+    def switch_cost(self, runner: bg.GraphRunner, shared: bg.GraphRunner) -> dict:
+        """What a change of size costs a replay with shared executables. Switching sizes costs
+        nothing without sharing: ``runner``, which owns its executables, is the baseline."""
+        x, positions = self.inputs.x, self.inputs.positions
+        small, large = self.sizes[1], self.sizes[-1]
+        alternating = lambda r: (lambda: (r(x[:small], positions[:small]), r(x[:large], positions[:large])))  # noqa: E731
+        same_sizes = lambda r: (lambda: (r(x[:large], positions[:large]), r(x[:large], positions[:large])))  # noqa: E731
+        timings = time_variants(
+            {
+                "own, alternating": alternating(runner),
+                "own, same size": same_sizes(runner),
+                "shared, alternating": alternating(shared),
+                "shared, same size": same_sizes(shared),
+            },
+            iters=20,
+        )
+        # Each alternating pair switches twice; the same-size pair replays the large size twice.
+        switch_us = ((timings["shared, alternating"] - timings["own, alternating"]) / 2)
+        segments = sum(1 for segment in shared.graphs[(None, large)].segments if segment.kind == "graph")
+        self.row("switch cost per replay (shared)", seconds=switch_us / 1e6,
+                 note=f"{switch_us:.0f} µs per size change, {switch_us / segments:.1f} µs per segment "
+                 f"(pairs of replays: own {timings['own, alternating']:.0f} µs alternating, shared "
+                 f"{timings['shared, alternating']:.0f} µs alternating, {timings['shared, same size']:.0f} µs same size)")
+        return {"switch_us": round(switch_us, 1), "pair_timings_us": {k: round(v, 1) for k, v in timings.items()}}
+
+    def release_shared(self, shared: bg.GraphRunner, shared_memory: dict) -> None:
+        """Release and restore with shared executables: executables only, then everything."""
+        released = shared.release(keep_graphs=True)
+        restored = shared.restore()  # instantiates every segment again, then shares
+        self.row("restore(), shared executables: instantiate and share", executables=restored["taken_bytes"],
+                 seconds=restored["seconds"], note="compare restore(): instantiate again above (no sharing)")
+        shared_reference = self.outputs(shared)
+        released = shared.release(keep_graphs=False)
+        restored = shared.restore()
+        shared_after = self.outputs(shared)
+        shared_share = released["freed_bytes"] / max(1, shared_memory["total_bytes"])
+        self.row("release(): everything, shared executables", total=released["freed_bytes"], seconds=released["seconds"],
+                 note=f"{shared_share:.0%} of what the graphs held; restore (capture again) {restored['seconds']:.2f} s, "
+                 f"replays differ from before by {largest_difference(shared_reference, shared_after):.3g}")
+        self.facts.update(release_all_shared_share=round(shared_share, 3))
 
 
 def main(argv=None) -> int:

@@ -22,11 +22,9 @@ import torch
 import breakgraph as bg
 
 from benchmarks.common import benchmark_parser, device_meta, plot_lines, require_gpu, write_outputs
-from benchmarks.decoder import (
+from benchmarks.decoder import Decoder, DecoderConfig, MetaBreakable
+from benchmarks.decoder_sizes import (
     BatchInputs,
-    Decoder,
-    DecoderConfig,
-    MetaBreakable,
     capture_breakgraph_sizes,
     capture_monolithic_sizes,
     capture_piecewise_sizes,
@@ -56,35 +54,7 @@ def main(argv=None) -> int:
     rows = []
     for count in range(1, len(all_sizes) + 1):
         sizes = all_sizes[:count]
-        measured = {}
-
-        runner = capture_breakgraph_sizes(inputs, sizes)
-        worst = check_sizes(inputs, runner_replay(inputs, runner), sizes)
-        measured["breakgraph"] = (bg.pool_bytes(runner.pool), worst)
-        del runner
-
-        pool = torch.cuda.MemPool()
-        graphs = capture_monolithic_sizes(inputs, sizes, pool.id, stream)
-        worst = check_sizes(inputs, graphs_replay(graphs), sizes)
-        measured["monolithic torch.cuda.graph per size"] = (bg.pool_bytes(pool), worst)
-        del graphs, pool
-
-        pool = torch.cuda.MemPool()
-        graphs = capture_piecewise_sizes(inputs, sizes, pool.id, stream)
-        worst = check_sizes(inputs, graphs_replay(graphs), sizes)
-        measured["torch CUDAGraph per segment, per size"] = (bg.pool_bytes(pool), worst)
-        del graphs, pool
-
-        if meta_library is not None:
-            pool = torch.cuda.MemPool()
-            meta_way = functools.partial(MetaBreakable, meta_library)
-            graphs = capture_piecewise_sizes(inputs, sizes, pool.id, stream, way=meta_way)
-            worst = check_sizes(inputs, graphs_replay(graphs), sizes)
-            measured[META] = (bg.pool_bytes(pool), worst)
-            del graphs, pool
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-
+        measured = pools_at(inputs, sizes, stream, meta_library)
         for name, (nbytes, worst) in measured.items():
             rows.append(
                 {
@@ -102,6 +72,40 @@ def main(argv=None) -> int:
     meta = device_meta() | {"config": {k: str(v) for k, v in vars(config).items()}, "kv_length": LENGTH}
     write_outputs("memory", rows, ["sizes", "variant", "pool_mib", "max_abs_diff_vs_eager"], args.out, meta, draw)
     return 0
+
+
+def pools_at(inputs: BatchInputs, sizes: list[int], stream: torch.cuda.Stream, meta_library) -> dict:
+    """{variant: (pool bytes, largest difference from eager)} of every way captured at ``sizes``,
+    each way's graphs and pool let go before the next's."""
+    measured = {}
+
+    runner = capture_breakgraph_sizes(inputs, sizes)
+    worst = check_sizes(inputs, runner_replay(inputs, runner), sizes)
+    measured["breakgraph"] = (bg.pool_bytes(runner.pool), worst)
+    del runner
+
+    pool = torch.cuda.MemPool()
+    graphs = capture_monolithic_sizes(inputs, sizes, pool.id, stream)
+    worst = check_sizes(inputs, graphs_replay(graphs), sizes)
+    measured["monolithic torch.cuda.graph per size"] = (bg.pool_bytes(pool), worst)
+    del graphs, pool
+
+    pool = torch.cuda.MemPool()
+    graphs = capture_piecewise_sizes(inputs, sizes, pool.id, stream)
+    worst = check_sizes(inputs, graphs_replay(graphs), sizes)
+    measured["torch CUDAGraph per segment, per size"] = (bg.pool_bytes(pool), worst)
+    del graphs, pool
+
+    if meta_library is not None:
+        pool = torch.cuda.MemPool()
+        meta_way = functools.partial(MetaBreakable, meta_library)
+        graphs = capture_piecewise_sizes(inputs, sizes, pool.id, stream, way=meta_way)
+        worst = check_sizes(inputs, graphs_replay(graphs), sizes)
+        measured[META] = (bg.pool_bytes(pool), worst)
+        del graphs, pool
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return measured
 
 
 def draw(ax, rows):

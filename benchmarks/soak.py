@@ -29,7 +29,9 @@ import torch
 import breakgraph as bg
 
 from benchmarks.common import benchmark_parser, device_meta, require_gpu, write_outputs
-from benchmarks.decoder import BatchInputs, Decoder, DecoderConfig, assert_matches_eager, attention_break
+from benchmarks.attention import attention_break
+from benchmarks.decoder import Decoder, DecoderConfig, assert_matches_eager
+from benchmarks.decoder_sizes import BatchInputs
 
 LENGTH = 1015
 SAMPLE_EVERY, CHECK_EVERY, RECAPTURE_EVERY = 5_000, 1_000, 250

@@ -61,158 +61,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
-from torch._dynamo.utils import counters
 
-from benchmarks.common import benchmark_parser, device_meta, require_gpu, write_outputs
+from benchmarks.common import benchmark_parser, device_meta, require_gpu, verdict, write_outputs
+from benchmarks.hf_generation import agreement, build_model
+from benchmarks.transformers_generate_runs import SAMPLING, VARIANTS, measure_one, run_fresh
 from breakgraph import hf
 
-VARIANTS = {
-    "eager": "transformers eager",
-    "compile": "transformers static + torch.compile",
-    "breakable": "breakgraph breakable",
-    "full": "breakgraph full",
-    "breakable_sampling": "breakgraph breakable, sampling",
-    "full_sampling": "breakgraph full, sampling",
-    "breakable_compile": "breakgraph breakable + compile",
-    "full_compile": "breakgraph full + compile",
-    "breakable_compile_background": "breakgraph breakable + compile in background",
-}
 OURS = ("breakable", "full", "breakable_compile", "full_compile", "breakable_compile_background")  # the greedy breakgraph variants
-SAMPLING = {"do_sample": True, "temperature": 0.7, "top_k": 50, "top_p": 0.9}
 COLD_TARGET = 5.0  # torch.compile's cold generation over breakgraph's, at least
 WARM_TARGET = 1.5  # breakgraph's cold generation over its own warm one, at most
 DECODE_TARGET = 1.3  # the best breakgraph variant's warm decode tokens/s over torch.compile's, at least
 SAMPLING_TARGET = 0.95  # sampling's warm decode tokens/s over greedy's, same mode, at least
+COLUMNS = [
+    "variant", "batch", "cold_gen_s", "cold_tok_s", "capture_s", "compiled_s", "compiling_tok_s", "warm_gen_s", "warm_decode_tok_s",
+    "ms_per_step", "memory_gib", "dynamo_graphs", "same_as_eager",
+]
 
 QUICK = dict(hf.LLAMA_3_2_1B, vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=32)
-
-
-def build_model(shape: dict, dtype: torch.dtype, seed: int = 0):
-    """The Llama of ``shape`` with seeded random weights, in eval mode on the GPU."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(**shape)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(config).to(dtype)
-    model.generation_config.pad_token_id = model.generation_config.eos_token_id = None
-    return model.eval()
-
-
-def prompts(batch: int, length: int, vocab: int, seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (batch, length), generator=generator).cuda()
-
-
-def generator_for(variant: str, model, batch: int, max_length: int):
-    """``(generate, capture, background)``: ``generate(input_ids, new_tokens) -> tokens`` the
-    variant's way; breakgraph's capture, timed apart inside the cold generation (None for
-    transformers' paths, whose compile happens inside their first ``generate``); and the Generator
-    that compiles in the background (None where none does)."""
-    if variant in ("eager", "compile"):
-        extra = {"cache_implementation": "static"} if variant == "compile" else {}
-
-        def generate(ids, new):
-            return model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, **extra)
-
-        return generate, None, None
-    mode, _, how = variant.partition("_")
-    in_background = how == "compile_background"
-    model.set_attn_implementation(hf.ATTENTION)
-    generator = hf.Generator(
-        model, max_length=max_length, max_batch_size=batch, mode=mode, progress=False, compile=how.startswith("compile"),
-        compile_in_background=in_background,
-    )
-    background = generator if in_background else None
-    if how != "sampling":
-        return generator.generate, generator.capture, background
-
-    def generate(ids, new):
-        return generator.generate(ids, new, **SAMPLING)
-
-    return generate, lambda: generator.capture(sampling=True), background
-
-
-def timed(fn) -> tuple[float, object]:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    result = fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - start, result
-
-
-def measure_one(variant: str, batch: int, prompt: int, new: int, shape: dict, dtype: torch.dtype, repeats: int) -> dict:
-    """One variant at one batch size, in this (fresh) process: its cold generation, then warm ones."""
-    model = build_model(shape, dtype)
-    torch.cuda.empty_cache()
-    weights = torch.cuda.memory_reserved()  # the model, and nothing its construction left
-    torch.cuda.reset_peak_memory_stats()
-    ids = prompts(batch, prompt, shape["vocab_size"], seed=batch)
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    generate, capture, background = generator_for(variant, model, batch, prompt + new)
-    capture_s = timed(capture)[0] if capture is not None else None
-    generate(ids, new)  # the first generation: every compile, capture and first use of a shape is in it
-    torch.cuda.synchronize()
-    cold = time.perf_counter() - started
-    compiled_s = compiling_tok_s = None
-    if background is not None:
-        served = []
-        while background.compiling:  # the last of these takes the compiled step: captures it, then generates
-            served.append(timed(lambda: generate(ids, new))[0])
-        compiled_s = time.perf_counter() - started
-        compiling_tok_s = batch * new * len(served) / sum(served)
-    generate(ids, 1)  # a one-token generation's first call is cold (its shapes are new): keep it out of the timings
-    full, one = [], []
-    for _ in range(repeats):
-        seconds, tokens = timed(lambda: generate(ids, new))
-        full.append(seconds)
-        one.append(timed(lambda: generate(ids, 1))[0])
-    warm = statistics.median(full)
-    decode_s = warm - statistics.median(one)
-    return {
-        "cold_s": cold,
-        "capture_s": capture_s,
-        "compiled_s": compiled_s,
-        "compiling_tok_s": compiling_tok_s,
-        "warm_s": warm,
-        "decode_tok_s": batch * (new - 1) / decode_s,
-        "ms_per_step": decode_s / (new - 1) * 1e3,
-        "memory_gib": (torch.cuda.max_memory_reserved() - weights) / 2**30,
-        "tokens": tokens[:, prompt:].tolist(),
-        "compiled": hasattr(model, "_compiled_call"),
-        "dynamo_graphs": counters["stats"]["unique_graphs"],  # what torch.compile compiled in the process
-    }
-
-
-def run_fresh(variant: str, batch: int, args) -> dict:
-    """``measure_one`` in a fresh process with empty compile caches: cold, as a new server starts."""
-    with tempfile.TemporaryDirectory() as caches, tempfile.NamedTemporaryFile("r", suffix=".json") as result:
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{caches}/inductor", TRITON_CACHE_DIR=f"{caches}/triton")
-        command = [sys.executable, "-m", "benchmarks.transformers_generate", "--one", variant, "--batches", str(batch), "--result", result.name]
-        command += ["--prompt", str(args.prompt), "--new", str(args.new), "--dtype", args.dtype, "--repeats", str(args.repeats)]
-        command += ["--out", args.out] + (["--quick"] if args.quick else [])  # the child checks --out as the parent did
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
-        if done.returncode != 0:
-            raise RuntimeError(f"{VARIANTS[variant]} at batch {batch} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
-        return json.loads(open(result.name).read())
-
-
-def agreement(tokens: list, reference: list) -> str:
-    """How many leading tokens of every row equal the reference's, as "min/new"."""
-    same = []
-    for row, ref in zip(tokens, reference):
-        count = next((i for i, (a, b) in enumerate(zip(row, ref)) if a != b), len(ref))
-        same.append(count)
-    return f"{min(same)}/{len(reference[0])}"
 
 
 def row_of(variant: str, batch: int, new: int, result: dict, reference: list | None) -> dict:
@@ -254,15 +123,15 @@ def ratios(batch: int, measured: dict) -> tuple[dict, list[str]]:
         faster = measured[best]["decode_tok_s"] / compiled["decode_tok_s"]
         lines.append(
             f"batch {batch}, best breakgraph variant {VARIANTS[best]}: warm decode {faster:.2f}x torch.compile's tokens/s "
-            f"({'met' if faster >= DECODE_TARGET else 'NOT met'})"
+            f"({verdict(faster, DECODE_TARGET, at_most=False)})"
         )
     for variant in ours:
         cold, warm = measured[variant]["cold_s"], measured[variant]["warm_s"]
         line = f"batch {batch}, {VARIANTS[variant]}: cold generation {cold:.2f} s"
         if compiled is not None:
             faster = compiled["cold_s"] / cold
-            line += f", {faster:.1f}x faster than torch.compile's {compiled['cold_s']:.2f} s ({'met' if faster >= COLD_TARGET else 'NOT met'})"
-        line += f"; {cold / warm:.2f}x its warm {warm:.3f} s ({'met' if cold / warm <= WARM_TARGET else 'NOT met'})"
+            line += f", {faster:.1f}x faster than torch.compile's {compiled['cold_s']:.2f} s ({verdict(faster, COLD_TARGET, at_most=False)})"
+        line += f"; {cold / warm:.2f}x its warm {warm:.3f} s ({verdict(cold / warm, WARM_TARGET, at_most=True)})"
         lines.append(line)
     return row, lines
 
@@ -280,7 +149,7 @@ def sampling_costs(batch: int, measured: dict) -> list[str]:
     """A line per mode measured both ways: whether sampling costs at most 5 % of greedy's tokens/s."""
     return [
         f"batch {batch}, {VARIANTS[v]}: sampling decodes {measured[f'{v}_sampling']['decode_tok_s']:.1f} tokens/s, "
-        f"{ratio:.2f}x greedy's {measured[v]['decode_tok_s']:.1f} ({'met' if ratio >= SAMPLING_TARGET else 'NOT met'})"
+        f"{ratio:.2f}x greedy's {measured[v]['decode_tok_s']:.1f} ({verdict(ratio, SAMPLING_TARGET, at_most=False)})"
         for v, ratio in sampling_over_greedy(measured).items()
     ]
 
@@ -309,7 +178,7 @@ def draw(ax, rows, new: int):
     )
 
 
-def main(argv=None) -> int:
+def parse(argv) -> argparse.Namespace:
     parser = benchmark_parser("transformers_generate", __doc__)
     parser.add_argument("--quick", action="store_true", help="small smoke run: a 2-layer model, 16-token prompts, 16 new tokens")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
@@ -320,17 +189,30 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--one", choices=list(VARIANTS), help=argparse.SUPPRESS)  # a child process: one measurement
     parser.add_argument("--result", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
     require_gpu("transformers_generate")
     args.prompt = args.prompt or (16 if args.quick else 128)
     args.new = args.new or (16 if args.quick else 128)
     shape = QUICK if args.quick else hf.LLAMA_3_2_1B
-    if args.one:
-        measured = measure_one(args.one, args.batches[0], args.prompt, args.new, shape, getattr(torch, args.dtype), args.repeats)
+    if args.one:  # the child of run_fresh: its measurement, written where the parent reads it
+        model = build_model(shape, getattr(torch, args.dtype))
+        measured = measure_one(args.one, model, args.batches[0], args.prompt, args.new, args.repeats)
         with open(args.result, "w") as out:
             json.dump(measured, out)
         return 0
     started = time.perf_counter()
+    rows, targets, sampling_targets = measure_batches(args)
+    report(args, rows, targets, sampling_targets, started)
+    return 0
+
+
+def measure_batches(args) -> tuple[list[dict], list[str], list[str]]:
+    """Every variant at every batch size, each in a fresh process: the rows (a ratios row after
+    each batch's), the target lines and the sampling target lines; each row printed as it comes."""
     rows, targets, sampling_targets = [], [], []
     for batch in args.batches:
         measured = {variant: run_fresh(variant, batch, args) for variant in args.variants}
@@ -346,7 +228,11 @@ def main(argv=None) -> int:
             targets += lines
             sampling_targets += sampling_costs(batch, measured)
             print(row, flush=True)
-    columns = ["variant", "batch", "cold_gen_s", "cold_tok_s", "capture_s", "compiled_s", "compiling_tok_s", "warm_gen_s", "warm_decode_tok_s", "ms_per_step", "memory_gib", "dynamo_graphs", "same_as_eager"]
+    return rows, targets, sampling_targets
+
+
+def report(args, rows: list[dict], targets: list[str], sampling_targets: list[str], started: float) -> None:
+    """Write the table, JSON and plot; print the targets and how long the run took."""
     meta = device_meta() | {"prompt": args.prompt, "new": args.new, "dtype": args.dtype, "model": "Llama-3.2-1B shape" if not args.quick else "tiny Llama"}
     import transformers
 
@@ -355,7 +241,7 @@ def main(argv=None) -> int:
     meta["sampling_targets"] = sampling_targets
     meta["sampling"] = SAMPLING
     meta["run_s"] = round(time.perf_counter() - started, 1)
-    write_outputs("transformers_generate", rows, columns, args.out, meta, lambda ax, measured: draw(ax, measured, args.new))
+    write_outputs("transformers_generate", rows, COLUMNS, args.out, meta, lambda ax, measured: draw(ax, measured, args.new))
     print(
         f"targets: the best breakgraph variant's warm decode >= {DECODE_TARGET:g}x torch.compile's tokens/s; breakgraph's cold "
         f"generation >= {COLD_TARGET:g}x faster than torch.compile's, and within {WARM_TARGET:g}x of its own warm one"
@@ -367,7 +253,6 @@ def main(argv=None) -> int:
         for line in sampling_targets:
             print(f"  {line}")
     print(f"the whole run took {meta['run_s']:.0f} s")
-    return 0
 
 
 if __name__ == "__main__":

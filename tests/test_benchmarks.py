@@ -129,14 +129,15 @@ def test_a_benchmark_names_the_option_a_misspelt_one_meant(name, monkeypatch, ca
 
 def test_transformers_generates_children_check_the_parents_out_folder(monkeypatch, tmp_path):
     pytest.importorskip("transformers", reason="the transformers extra is not installed")
-    from benchmarks import transformers_generate as bench
+    from benchmarks import transformers_generate_runs as runs
+    from benchmarks.common import benchmark_parser
 
     commands = []
-    monkeypatch.setattr(bench.subprocess, "run", lambda command, **_: commands.append(command) or subprocess.CompletedProcess(command, 1, "", ""))
-    args = bench.benchmark_parser("transformers_generate", "").parse_args(["--out", str(tmp_path)])
+    monkeypatch.setattr(runs.subprocess, "run", lambda command, **_: commands.append(command) or subprocess.CompletedProcess(command, 1, "", ""))
+    args = benchmark_parser("transformers_generate", "").parse_args(["--out", str(tmp_path)])
     args.prompt, args.new, args.dtype, args.repeats, args.quick = 16, 16, "float32", 1, True
     with pytest.raises(RuntimeError):
-        bench.run_fresh("eager", 1, args)
+        runs.run_fresh("eager", 1, args)
     assert commands[0][commands[0].index("--out") + 1] == str(tmp_path)
 
 
@@ -235,7 +236,7 @@ def test_transformers_generate_says_what_sampling_costs_against_greedy_per_mode(
 
 
 def test_decode_step_times_every_variant_cold_at_lengths_no_step_had(monkeypatch):
-    from benchmarks import decode_step
+    from benchmarks import decode_step_variants as decode_step
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     step = decode_step.Step.__new__(decode_step.Step)  # the timing alone, without the GPU's captures
@@ -376,33 +377,34 @@ def test_the_shards_steps_summed_are_the_step_of_the_decoder_they_make_up(world,
 
 
 def test_tensor_parallel_ratios_say_which_targets_are_met():
-    from benchmarks import tensor_parallel as bench
+    from benchmarks import tensor_parallel_capture as capture
+    from benchmarks import tensor_parallel_decode as decode
 
     us = {
-        bench.EAGER: 12000.0, bench.TORCH: 2200.0, bench.BREAKABLE: 2000.0, bench.AGREED: 2100.0, bench.BARE: 1980.0,
-        bench.BOUND: 1850.0, bench.FULL: 1700.0, bench.FULL_BARE: 1690.0, bench.FULL_BOUND: 1650.0,
+        decode.EAGER: 12000.0, decode.TORCH: 2200.0, decode.BREAKABLE: 2000.0, decode.AGREED: 2100.0, decode.BARE: 1980.0,
+        decode.BOUND: 1850.0, decode.FULL: 1700.0, decode.FULL_BARE: 1690.0, decode.FULL_BOUND: 1650.0,
     }
-    row, lines = bench.decode_ratios(8, us, world=2)
+    row, lines = decode.decode_ratios(8, us, world=2)
     assert row["variant"] == "ratios" and row["notes"].startswith("breakable/bound 1.08x; full/same-work monolithic 1.030x; torch per segment/breakable 1.10x")
     assert lines == [
         "batch 8: breakgraph breakable 1.08x its frozen-length bound (target <= 1.10x: met; torch's per-segment graphs: 1.19x)",
         "batch 8: breakgraph full 1.030x the same work as one monolithic graph (target <= 1.02x: NOT met)",
         "batch 8: torch CUDAGraph per segment 1.10x breakgraph breakable's step (target >= 1.00x: met)",
     ]
-    slow_meta = dict(us, **{bench.META: 1990.0})
-    assert bench.decode_ratios(8, slow_meta, world=4)[1][-1] == (
+    slow_meta = dict(us, **{decode.META: 1990.0})
+    assert decode.decode_ratios(8, slow_meta, world=4)[1][-1] == (
         "batch 8: Meta breakable_cuda_graphs 0.99x breakgraph breakable's step (target >= 1.00x: NOT met)"
     )
-    assert "the target is set for T = 2 and 4, this is T = 1" in bench.decode_ratios(1, us, world=1)[1][0]
+    assert "the target is set for T = 2 and 4, this is T = 1" in decode.decode_ratios(1, us, world=1)[1][0]
 
-    runs = {bench.WITH_GROUP: [(5.0, 300.0), (6.0, 310.0), (5.0, 305.0)], bench.WITHOUT_GROUP: [(0.0, 300.0), (0.0, 290.0), (0.0, 295.0)]}
-    row, line = bench.capture_ratio(runs, [1, 2, 4, 8, 16, 24, 32])
+    runs = {capture.WITH_GROUP: [(5.0, 300.0), (6.0, 310.0), (5.0, 305.0)], capture.WITHOUT_GROUP: [(0.0, 300.0), (0.0, 290.0), (0.0, 295.0)]}
+    row, line = capture.capture_ratio(runs, [1, 2, 4, 8, 16, 24, 32])
     assert row["batch"] == "7 sizes, 1-32" and row["notes"] == "with/without group 1.051x made and captured, 1.034x capture() alone"
     assert line == "7 sizes: agreement (group=) adds +5.1 % to making and capturing a runner (NOT met) and +3.4 % to its capture() alone (met); target <= 5 %"
 
 
 def test_tensor_parallel_generation_compares_the_best_breakgraph_variant_with_torch_compile():
-    from benchmarks import tensor_parallel as bench
+    from benchmarks import tensor_parallel_hf as bench
 
     result = lambda tok_s: {"decode_tok_s": tok_s, "ms_per_step": 1000 / tok_s, "tokens": [[1, 2]]}  # noqa: E731
     measured = {"eager": result(50.0), "compile": result(300.0), "breakable": result(380.0), "full": result(330.0), "breakable_compile": result(420.0)}
@@ -416,7 +418,7 @@ def test_tensor_parallel_generation_compares_the_best_breakgraph_variant_with_to
 
 
 def test_tensor_parallel_sizes_the_checkpoint_it_writes():
-    from benchmarks.tensor_parallel import checkpoint_bytes
+    from benchmarks.tensor_parallel_hf import checkpoint_bytes
     from breakgraph.hf.shapes import LLAMA_3_2_1B
 
     assert checkpoint_bytes(LLAMA_3_2_1B) == 2 * 1_235_814_400  # Llama-3.2-1B's parameters, in bf16
@@ -426,6 +428,8 @@ def test_tensor_parallel_sizes_the_checkpoint_it_writes():
 def test_tensor_parallel_takes_its_settings_and_writes_one_table_and_plot(monkeypatch, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     from benchmarks import tensor_parallel as bench
+    from benchmarks.tensor_parallel_capture import WITH_GROUP
+    from benchmarks.tensor_parallel_decode import BOUND, BREAKABLE, EAGER
 
     quick, full = bench.parse(["--quick"]), bench.parse(["--parts", "hf", "capture"])
     assert (quick.batches, quick.new, quick.prompt, quick.parts) == ([1, 8], 16, 16, ["decoder", "capture", "hf"])
@@ -433,10 +437,10 @@ def test_tensor_parallel_takes_its_settings_and_writes_one_table_and_plot(monkey
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "no GPU")
     rows = [
         {"part": bench.DECODE, "batch": batch, "variant": variant, "ms": ms * batch, "tokens_per_s": 1.0, "max_abs_diff_vs_eager": 0.01}
-        for batch in (1, 8) for variant, ms in ((bench.EAGER, 10.0), (bench.BREAKABLE, 2.0), (bench.BOUND, 1.9))
+        for batch in (1, 8) for variant, ms in ((EAGER, 10.0), (BREAKABLE, 2.0), (BOUND, 1.9))
     ]
     rows += [{"part": bench.DECODE, "batch": 8, "variant": "ratios", "notes": "breakable/bound 1.05x"}]
-    rows += [{"part": bench.CAPTURE, "batch": "7 sizes, 1-32", "variant": bench.WITH_GROUP, "ms": 300.0, "notes": "made 5.0 ms"}]
+    rows += [{"part": bench.CAPTURE, "batch": "7 sizes, 1-32", "variant": WITH_GROUP, "ms": 300.0, "notes": "made 5.0 ms"}]
     rows += [{"part": bench.GENERATE, "batch": 1, "variant": "transformers static + torch.compile", "ms": "failed", "notes": "ValueError: no"}]
     drawn = {}
 
