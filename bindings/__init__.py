@@ -10,7 +10,7 @@ other project uses, so no ``bindings`` package or folder elsewhere shadows it.
 """
 
 from .errors import CudaError, check, clear_last_error
-from .streams import HasCudaStream, StreamLike, stream_handle, synchronize
+from .streams import HasCudaStream, StreamHandle, StreamLike, stream_handle, synchronize
 from .capture import (
     CaptureInfo,
     CaptureMode,
@@ -22,7 +22,7 @@ from .capture import (
     end_capture,
     exchange_capture_mode,
 )
-from .graph import Graph, GraphExec, GraphUpdateRefused, device_count, launch_function, probe_devices
+from .graph import Graph, GraphExec, GraphLaunch, GraphUpdateRefused, LaunchStatus, device_count, launch_function, probe_devices
 from .memory import free_device_memory, graph_allocation_bytes, trim_graph_memory
 
 __all__ = [
@@ -32,8 +32,11 @@ __all__ = [
     "CudaError",
     "Graph",
     "GraphExec",
+    "GraphLaunch",
     "GraphUpdateRefused",
     "HasCudaStream",
+    "LaunchStatus",
+    "StreamHandle",
     "StreamLike",
     "begin_capture",
     "capture_info",

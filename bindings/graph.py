@@ -4,18 +4,28 @@ from __future__ import annotations
 
 import os
 import weakref
+from typing import Callable
 
 import cuda.bindings
 from cuda.bindings import runtime as cudart
 
 from .errors import CudaError, check
-from .streams import StreamLike, stream_handle
+from .streams import StreamHandle, StreamLike, stream_handle
 
 _SUCCESS = cudart.cudaError_t.cudaSuccess
 _EDGES_TAKE_DATA = int(cuda.bindings.__version__.split(".")[0]) >= 13  # CUDA 13 added edge data to the call
 
 
-def _add_dependencies(graph, sources: list, targets: list) -> tuple:
+LaunchStatus = tuple[cudart.cudaError_t]
+"""What a raw ``cudaGraphLaunch`` returns: its status alone, checked by the caller."""
+
+GraphLaunch = Callable[[cudart.cudaGraphExec_t, StreamHandle], LaunchStatus]
+"""The raw ``cudaGraphLaunch(executable, stream)`` (:func:`launch_function`)."""
+
+
+def _add_dependencies(
+    graph: cudart.cudaGraph_t, sources: list[cudart.cudaGraphNode_t], targets: list[cudart.cudaGraphNode_t]
+) -> tuple[cudart.cudaError_t]:
     """``cudaGraphAddDependencies`` as this cuda-bindings release spells it."""
     if _EDGES_TAKE_DATA:
         return cudart.cudaGraphAddDependencies(graph, sources, targets, None, len(sources))
@@ -139,7 +149,7 @@ class GraphExec:
         return self._finalizer.alive
 
 
-def launch_function():
+def launch_function() -> GraphLaunch:
     """The raw ``cudaGraphLaunch(exec_handle, stream_handle) -> (err,)``.
 
     For replay loops that pre-bind handles and check ``err`` themselves: it

@@ -18,10 +18,13 @@ class HasCudaStream(Protocol):
 StreamLike = Union[cudart.cudaStream_t, int, HasCudaStream]
 """What every call here takes as a stream: a ``cudaStream_t``, a raw handle, or a stream object."""
 
-_HANDLES: dict[int, cudart.cudaStream_t] = {}
+StreamHandle = cudart.cudaStream_t
+"""A stream as the raw calls take it (:func:`stream_handle` makes one): replay binds it once."""
+
+_HANDLES: dict[int, StreamHandle] = {}
 
 
-def stream_handle(stream: StreamLike) -> cudart.cudaStream_t:
+def stream_handle(stream: StreamLike) -> StreamHandle:
     """Return a ``cudaStream_t`` for ``stream``.
 
     Accepts a ``cudaStream_t``, an integer handle, or any object with a

@@ -1,10 +1,12 @@
-"""Recording an eager break: what its replay needs, and nothing that pins memory.
+"""An eager break: how it is recorded, with nothing that pins memory, and how it replays.
 
 Arguments are kept as non-owning aliases (containers walked, objects kept by
 reference), the result as aliases when it is only CUDA tensors, plus the
 writer that puts every replay's result where later segments read it. A
 backward that reaches autograd history made inside the break is refused,
-and the autocast state it ran under is kept for replay.
+and the autocast state it ran under is kept for replay. The recorded break
+is a segment kind of its own (:class:`EagerSegment`): its function called on
+those arguments, then its result written back.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from __future__ import annotations
 import inspect
 import warnings
 import weakref
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -21,8 +24,50 @@ from breakgraph import trees
 from breakgraph.aliasing import alias_leaves, alias_result, alias_tensor
 from breakgraph.outputs import check_output
 from breakgraph.pool import PoolUsage
-from breakgraph.segments import EagerSegment
-from breakgraph.writeback import make_writer
+from breakgraph.segments import ReplaySource, Segment
+from breakgraph.writeback import Writer, make_writer
+
+
+@dataclass(eq=False)
+class EagerSegment(Segment):
+    """An eager break: ``function`` replayed on aliases of its capture-time arguments.
+
+    ``result`` is the capture-time result (aliases of its tensors when it is
+    only CUDA tensors, see :func:`~breakgraph.aliasing.alias_result`); ``write``
+    copies each replay's result into it, where later segments read it.
+    ``argument_addresses`` (path, weak references to the tensor and its
+    storage, data pointer, whether the graph's pool holds it) lets debug mode
+    check that the caller's tensors did not move or die.
+    """
+
+    kind: ClassVar[str] = "eager"
+
+    function: Callable
+    args: tuple
+    kwargs: dict
+    write: Writer
+
+    def emit(self, source: ReplaySource) -> None:
+        arguments = f"*{source.bind('args', self.args)}"
+        if self.kwargs:
+            arguments += f", **{source.bind('kwargs', self.kwargs)}"
+        call = f"{source.bind('function', self.function)}({arguments})"
+        writer = source.bind("write", self.write)
+        if self.write.result_type is None:
+            source.python(f"{source.bind('segment', self)}.bytes_written = {writer}({call})")
+        else:  # nothing to write (bytes_written stays 0): the writer only raises, where the type is not the captured one
+            expected = source.bind("result_type", self.write.result_type)
+            source.python(f"result = {call}", f"if type(result) is not {expected}:", f"    {writer}(result)")
+
+    def table_cells(self) -> dict[str, Any]:
+        return {"nodes": "", "bytes_written": self.bytes_written}
+
+    def dot_node(self) -> str:
+        label = f"eager {self.index}\\n{self.name}()".replace('"', "'")
+        return f'shape=ellipse, label="{label}"'
+
+    def release(self) -> None:
+        self.args, self.kwargs, self.result = (), {}, None
 
 
 class LifetimeWarning(UserWarning):
@@ -81,9 +126,9 @@ def record_break(
         with_capture_autocast(function),
         replay_args,
         replay_kwargs,
-        kept,
         write,
-        argument_addresses(function, args, kwargs, pool_usage) if pool_usage is not None else (),
+        result=kept,
+        argument_addresses=argument_addresses(function, args, kwargs, pool_usage) if pool_usage is not None else (),
     )
 
 

@@ -70,7 +70,7 @@ class BreakableCUDAGraphCapture:
             # GPU, so an engine's warm-up step can still run while its capture is recorded.
             stream.wait_stream(caller_stream)
             scope.enter_context(runtime.on_stream(stream))
-            self.graph._begin(self.options, stream)
+            self.graph.capture_begin(options=self.options)  # on the capture stream, current now
             self._caller_stream, self._capture_stream, self._scope = caller_stream, stream, scope.pop_all()
         return self.graph
 

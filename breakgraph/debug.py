@@ -15,42 +15,43 @@ import torch
 
 import breakgraph_bindings as bindings
 from breakgraph import trees
-from breakgraph.segments import Launcher, Segment
+from breakgraph.segments import Segment
 
 
 class SegmentError(RuntimeError):
     """A segment failed during a debug-mode replay; the message names which one."""
 
 
-def describe(segment: Segment) -> str:
-    return f"segment {segment.index} ({segment.kind}: {segment.name})"
+Step = Callable[[], None]
+"""One step of a replay: a segment's, or a check."""
 
 
-def checked(segments: Sequence[Segment], launchers: Sequence[Launcher], check_finite: Callable[[], bool]) -> list[Launcher]:
-    """``launchers`` (one per segment), each wrapped with debug mode's checks, behind a first
-    step that checks every break's arguments before anything is launched; ``check_finite()``
-    says, at each replay, whether break outputs are checked for NaN and Inf too."""
+def checked(
+    segments: Sequence[Segment], steps: Sequence[Step], stream: bindings.StreamHandle, check_finite: Callable[[], bool]
+) -> list[Step]:
+    """``steps`` (each segment's replay on ``stream``, :meth:`ReplayPlan.step_functions
+    <breakgraph.plan.ReplayPlan.step_functions>`), each wrapped with debug mode's checks,
+    behind a first step that checks every break's arguments before anything is launched;
+    ``check_finite()`` says, at each replay, whether break outputs are checked for NaN and Inf too."""
 
-    def check_every_argument(_stream) -> None:
+    def check_every_argument() -> None:
         for segment in segments:
             check_addresses(segment)
 
-    return [check_every_argument] + [_checked(segment, launch, check_finite) for segment, launch in zip(segments, launchers)]
+    return [check_every_argument] + [_checked(segment, step, stream, check_finite) for segment, step in zip(segments, steps)]
 
 
-def _checked(segment: Segment, launch: Launcher, check_finite: Callable[[], bool]) -> Launcher:
-    def run(stream) -> None:
+def _checked(segment: Segment, step: Step, stream: bindings.StreamHandle, check_finite: Callable[[], bool]) -> Step:
+    def run() -> None:
         try:
-            status = launch(stream)
-            if status is not None and status[0]:
-                raise bindings.CudaError(status[0], "cudaGraphLaunch")
+            step()
             bindings.synchronize(stream)
         except bindings.CudaError as error:
-            raise SegmentError(f"{describe(segment)} failed: {error}") from error
+            raise SegmentError(f"{segment.describe()} failed: {error}") from error
         except RuntimeError as error:
             if "CUDA error" not in str(error):
                 raise
-            raise SegmentError(f"{describe(segment)} failed: {error}") from error
+            raise SegmentError(f"{segment.describe()} failed: {error}") from error
         if check_finite():
             _check_finite(segment)
 
@@ -80,4 +81,4 @@ def _check_finite(segment: Segment) -> None:
         return
     for path, tensor in trees.take_apart(segment.result, objects=True).tensors_with_paths("out"):
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise SegmentError(f"{describe(segment)}: {segment.name}() -> {path} has NaN or Inf values")
+            raise SegmentError(f"{segment.describe()}: {segment.name}() -> {path} has NaN or Inf values")

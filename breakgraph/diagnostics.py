@@ -1,8 +1,9 @@
 """Seeing inside a captured graph: the segment table, DOT files, per-segment timing.
 
 Clients of :class:`~breakgraph.BreakableCUDAGraph`'s public surface
-(``segments``, ``device``, each segment's ``launcher()``): nothing here is
-needed to capture or replay.
+(``segments``, ``device``), each segment describing itself, and of the replay
+plan's per-step functions, which the profile times: nothing here is needed to
+capture or replay.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from typing import Protocol
 
 import torch
 
-import breakgraph_bindings as bindings
 from breakgraph.graph import BreakableCUDAGraph
+from breakgraph.plan import ReplayPlan
 from breakgraph.tables import format_table
 
 
@@ -50,9 +51,8 @@ def summary_rows(graph) -> list[dict]:
             "index": segment.index,
             "kind": segment.kind,
             "name": segment.name,
-            "nodes": segment.num_nodes if segment.kind == "graph" else "",
             "side_streams": ", ".join(f"{sid:#x}" for sid in segment.side_streams),
-            "bytes_written": segment.bytes_written if segment.kind == "eager" else "",
+            **segment.table_cells(),
         }
         for segment in graph.segments
     ]
@@ -97,15 +97,10 @@ def to_dot(graph: "BreakableCUDAGraph | HoldsGraph", directory: str | Path, rend
     written = []
     overview = ["digraph breakgraph {", "  rankdir=LR;"]
     for segment in graph.segments:
-        if segment.kind == "graph":
-            path = directory / f"segment_{segment.index}.dot"
-            segment.graph.to_dot(path)
+        path = directory / f"segment_{segment.index}.dot"
+        if segment.write_dot(path):
             written.append(path)
-            label = f"graph {segment.index}\\n{segment.num_nodes} nodes"
-            overview.append(f'  s{segment.index} [shape=box, label="{label}"];')
-        else:
-            label = f"eager {segment.index}\\n{segment.name}()".replace('"', "'")
-            overview.append(f'  s{segment.index} [shape=ellipse, label="{label}"];')
+        overview.append(f"  s{segment.index} [{segment.dot_node()}];")
     overview += [f"  s{a.index} -> s{b.index};" for a, b in zip(graph.segments, graph.segments[1:])]
     overview.append("}")
     overview_path = directory / "overview.dot"
@@ -141,17 +136,15 @@ def profile(graph: "BreakableCUDAGraph | HoldsGraph", iters: int = 20, warmup: i
     graph = captured_graph(graph, "profile")
     segments = graph.segments
     stream = torch.cuda.current_stream(graph.device)
-    handle = bindings.stream_handle(stream)
-    launchers = [segment.launcher() for segment in segments]
+    plan = ReplayPlan(segments)  # lives while its steps run: a traceback through one shows its lines
+    steps = plan.step_functions(stream)
     samples = [[] for _ in segments]
     events = [torch.cuda.Event(enable_timing=True) for _ in range(len(segments) + 1)]
     with torch.no_grad():
         for iteration in range(warmup + iters):
             events[0].record(stream)
-            for index, launch in enumerate(launchers):
-                status = launch(handle)
-                if status is not None and status[0]:
-                    raise bindings.CudaError(status[0], "cudaGraphLaunch", segments[index].name)
+            for index, step in enumerate(steps):
+                step()
                 events[index + 1].record(stream)
             stream.synchronize()
             if iteration >= warmup:
@@ -179,6 +172,9 @@ def format_profile(rows: list[dict]) -> str:
     return format_table(rows, ["index", "kind", "name", "mean_us", "p50_us", "p99_us", "share"])
 
 
+_KIND_COLORS = {"graph": "tab:blue", "eager": "tab:orange"}  # the plot's bars; another kind's are gray
+
+
 def plot_profile(rows: list[dict], path) -> Path:
     """Bar chart of mean time per segment (matplotlib, an optional dependency)."""
     try:
@@ -189,7 +185,7 @@ def plot_profile(rows: list[dict], path) -> Path:
     except ImportError as error:
         raise RuntimeError("plot_profile needs matplotlib: pip install 'breakgraph[plot]'") from error
     path = Path(path)
-    colors = ["tab:blue" if row["kind"] == "graph" else "tab:orange" for row in rows]
+    colors = [_KIND_COLORS.get(row["kind"], "tab:gray") for row in rows]
     fig, ax = plt.subplots(figsize=(max(6, 0.35 * len(rows)), 4))
     ax.bar([str(row["index"]) for row in rows], [row["mean_us"] for row in rows], color=colors)
     ax.set_xlabel("segment (blue: graph, orange: eager break)")

@@ -58,7 +58,7 @@ class BreakableCUDAGraph:
 
     # -- introspection ----------------------------------------------------------
     @property
-    def pool(self):
+    def pool(self) -> torch.cuda.MemPool:
         """The ``torch.cuda.MemPool`` every segment allocates from."""
         if self._pool is None:
             runtime.require_cuda("BreakableCUDAGraph.pool (a torch.cuda.MemPool)")
@@ -72,11 +72,14 @@ class BreakableCUDAGraph:
 
     @property
     def num_graphs(self) -> int:
-        return sum(1 for segment in self._segments if segment.kind == "graph")
+        return self._count("graph")
 
     @property
     def num_eager_breaks(self) -> int:
-        return sum(1 for segment in self._segments if segment.kind == "eager")
+        return self._count("eager")
+
+    def _count(self, kind: str) -> int:
+        return sum(segment.kind == kind for segment in self._segments)
 
     @property
     def bytes_written_per_replay(self) -> int:
@@ -128,10 +131,7 @@ class BreakableCUDAGraph:
         """
         options = CaptureOptions.build("BreakableCUDAGraph.capture_begin", options, capture_options)
         runtime.require_capture("BreakableCUDAGraph.capture_begin")
-        self._begin(options, torch.cuda.current_stream(torch.cuda.current_device()))
-
-    def _begin(self, options: CaptureOptions, stream: torch.cuda.Stream) -> None:
-        """:meth:`capture_begin` with checked options, on ``stream`` (the current stream)."""
+        stream = torch.cuda.current_stream(torch.cuda.current_device())
         if context.current() is not None:
             raise RuntimeError(
                 "nested breakable CUDA graph captures are not supported: this thread is already capturing. "
@@ -193,7 +193,7 @@ class BreakableCUDAGraph:
         and keep the captured graphs and the pool: :meth:`restore_executables` brings the
         graph back without capturing again. Replay raises until then."""
         self._require_captured("release_executables")
-        for segment in self._graph_segments():
+        for segment in self._segments:
             segment.drop_executable()
         self._use_plan(None)
         self._released = True
@@ -204,7 +204,7 @@ class BreakableCUDAGraph:
         if not self._released:
             return
         stream = torch.cuda.current_stream(self._device)
-        for segment in self._graph_segments():
+        for segment in self._segments:
             segment.instantiate(stream)
         self._released = False
         self._build_plan()
@@ -214,9 +214,6 @@ class BreakableCUDAGraph:
         self._require_captured("rebuild_replay_plan")
         if not self._released:
             self._build_plan()
-
-    def _graph_segments(self) -> list:
-        return [segment for segment in self._segments if segment.kind == "graph"]
 
     def _require_captured(self, what: str) -> None:
         if not self.captured:

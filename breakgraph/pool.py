@@ -135,7 +135,7 @@ class OwnedPool:
     """One owner's hold on a memory pool (a graph's, a runner's): when the owner drops it,
     the pool is let go where no capture can be running (:func:`release_after_captures`)."""
 
-    def __init__(self, pool) -> None:
+    def __init__(self, pool: torch.cuda.MemPool) -> None:
         self.pool = pool
         _devices.add(torch.cuda.current_device())
 
@@ -166,7 +166,7 @@ class PoolUsage:
     segments: tuple[dict, ...]
 
     @classmethod
-    def of(cls, pool) -> "PoolUsage":
+    def of(cls, pool: torch.cuda.MemPool) -> PoolUsage:
         require_pool(pool)
         pool_id = tuple(pool.id)
         return cls(tuple(segment for segment in _allocator_segments() if tuple(segment["segment_pool_id"]) == pool_id))
@@ -204,7 +204,7 @@ def pool_bytes(pool: "torch.cuda.MemPool") -> int:
     return PoolUsage.of(pool).reserved_bytes
 
 
-def require_pool(pool) -> None:
+def require_pool(pool: object) -> None:
     """Refuse anything but a ``torch.cuda.MemPool``, saying where one comes from."""
     if not isinstance(pool, torch.cuda.MemPool):
         hint = ""

@@ -1,11 +1,11 @@
 """The capture state machine: one active capture, its segment boundaries and its breaks.
 
-:func:`start` opens everything a capture needs (the pool routing, stream
-hooks, the paused cycle collector, the active-capture context, the first
-segment) as one scope; :meth:`Recorder.finish` closes it and hands back the
-segments, :meth:`Recorder.abort` closes it and destroys them. The recorder is
-what ``eager``, ``dispatch`` and ``streams`` see through
-:class:`breakgraph.context.ActiveCapture`.
+:func:`start` makes a recorder and opens (:meth:`Recorder.open`) everything a
+capture needs (the pool routing, stream hooks, the paused cycle collector, the
+active-capture context, the first segment) as one scope; :meth:`Recorder.finish`
+closes it and hands back the segments, :meth:`Recorder.abort` closes it and
+destroys them. The recorder is what ``eager``, ``dispatch`` and ``streams`` see
+through :class:`breakgraph.context.ActiveCapture`.
 """
 
 from __future__ import annotations
@@ -85,6 +85,10 @@ class Recorder:
     # -- segment boundaries ----------------------------------------------------------
     def begin_segment(self) -> None:
         bindings.begin_capture(self.stream, self.mode)
+        self._segment_begun()
+
+    def _segment_begun(self) -> None:
+        """A segment's capture is open, ours or torch's: the side streams fork into it again."""
         self.segment_open = True
         self.tracker.segment_begun()
 
@@ -97,32 +101,28 @@ class Recorder:
             graph = self.torch_capture.end()
             self.torch_capture, self.segment_open = None, False
             self.route_to_pool()
-            self.segments.append(TorchGraphSegment(index, name, graph, rng.borrowed_graph(graph), 0, side_streams))
+            self.segments.append(TorchGraphSegment(index, name, rng.borrowed_graph(graph), graph, side_streams=side_streams))
         else:
             graph = bindings.end_capture(self.stream)
             self.segment_open = False
-            self.segments.append(GraphSegment(index, name, graph, None, 0, side_streams))
+            self.segments.append(GraphSegment(index, name, graph, None, side_streams=side_streams))
 
     def _instantiated(self) -> list[Segment]:
         """The segments in replay order, numbered again: graphs that captured nothing are
         destroyed, a segment that a random op ended is folded into the one torch recorded from
         that op on, and the rest are instantiated. Done once the capture has ended: CUDA counts
         and instantiates graphs back to back faster than one at each break (docs/performance.md)."""
-        kept = []
+        kept: list[Segment] = []
         for segment in self.segments:
-            if segment.kind == "graph":
-                segment.num_nodes = segment.graph.num_nodes
-                if segment.num_nodes == 0:
-                    segment.release()
-                    continue
-                front = kept[-1] if kept else None
-                if isinstance(segment, TorchGraphSegment) and isinstance(front, GraphSegment) and segment.take_in(front):
-                    kept.pop()
+            if not segment.captured_anything():
+                segment.release()
+                continue
+            if kept and segment.take_in(kept[-1]):
+                kept.pop()
             segment.index = len(kept)
             kept.append(segment)
         for segment in kept:
-            if segment.kind == "graph":
-                segment.ready(self.stream, self.options.measure_memory)
+            segment.ready(self.stream, self.options.measure_memory)
         return kept
 
     # -- breaks ------------------------------------------------------------------------
@@ -208,8 +208,7 @@ class Recorder:
         except BaseException:
             self.route_to_pool()
             raise
-        self.segment_open = True
-        self.tracker.segment_begun()
+        self._segment_begun()
 
     def _run_inline(self, name: str, function: Callable, inline, args: tuple, kwargs: dict) -> Any:
         fix = "capture with breaks='eager' (the breakable mode) for this key"
@@ -228,6 +227,31 @@ class Recorder:
             raise UncapturableOpError(f"{name}() cannot be captured inline ({error}); {fix}.") from error
 
     # -- the whole capture -----------------------------------------------------------------
+    def open(self) -> None:
+        """Open the capture as one scope: route allocations to the pool, pause the cycle
+        collector, hook ``wait_stream``, make this recorder the thread's active capture, watch
+        the ops where random ones may come, and begin the first segment."""
+        scope, random_ops = self._scope, self.options.random_ops
+        watch = random_ops == "break" or (random_ops == "graph" and not context.op_watch_skipped())
+        try:
+            scope.enter_context(runtime.claim_capture_stream(self.stream.device, self.stream))
+            # Before pool routing, so it is released after the routing and the CUDA capture
+            # have ended: only then may pools die and dead pools' memory be freed.
+            scope.enter_context(captures_running())
+            self.route_to_pool()
+            scope.callback(self.stop_routing)
+            # Backward passes run on this thread, so their breaks and allocations are ours.
+            scope.enter_context(torch.autograd.set_multithreading_enabled(False))
+            streams.install_hooks()
+            scope.callback(streams.remove_hooks)
+            scope.callback(context.deactivate, context.activate(self))
+            if watch:
+                scope.enter_context(CaptureDispatchMode(self))
+            self.begin_segment()
+        except BaseException:
+            self.abort()
+            raise
+
     def finish(self) -> Recording:
         """End the last segment and close the capture's scope; the recording is the caller's now."""
         try:
@@ -259,30 +283,7 @@ class Recorder:
 
 
 def start(pool: torch.cuda.MemPool, stream: torch.cuda.Stream, options: CaptureOptions, record_addresses: bool) -> Recorder:
-    """Open a capture on ``stream`` (already the current stream) into ``pool``: route
-    allocations to the pool, pause the cycle collector, hook ``wait_stream``, make the
-    recorder this thread's active capture, watch the ops where random ones may come,
-    and begin the first segment."""
+    """A recorder for a capture on ``stream`` (already the current stream) into ``pool``, opened."""
     recorder = Recorder(pool, stream, options, record_addresses)
-    scope = recorder._scope
-    random_ops = options.random_ops
-    watch = random_ops == "break" or (random_ops == "graph" and not context.op_watch_skipped())
-    try:
-        scope.enter_context(runtime.claim_capture_stream(stream.device, stream))
-        # Before pool routing, so it is released after the routing and the CUDA capture
-        # have ended: only then may pools die and dead pools' memory be freed.
-        scope.enter_context(captures_running())
-        recorder.route_to_pool()
-        scope.callback(recorder.stop_routing)
-        # Backward passes run on this thread, so their breaks and allocations are ours.
-        scope.enter_context(torch.autograd.set_multithreading_enabled(False))
-        streams.install_hooks()
-        scope.callback(streams.remove_hooks)
-        scope.callback(context.deactivate, context.activate(recorder))
-        if watch:
-            scope.enter_context(CaptureDispatchMode(recorder))
-        recorder.begin_segment()
-    except BaseException:
-        recorder.abort()
-        raise
+    recorder.open()
     return recorder

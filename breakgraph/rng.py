@@ -82,7 +82,7 @@ def _release(generators: Sequence[torch.Generator]) -> None:
 _known_pools: "weakref.WeakKeyDictionary[torch.cuda.MemPool, torch.cuda.CUDAGraph]" = weakref.WeakKeyDictionary()
 
 
-def _keep_pool_known(pool: "torch.cuda.MemPool", stream) -> None:
+def _keep_pool_known(pool: torch.cuda.MemPool, stream: bindings.StreamLike) -> None:
     """Capture an empty torch graph into ``pool`` once, and keep it as long as the pool:
     torch's pinned-memory allocator then knows the pool for every later torch capture
     into it. It dies just before the pool does, so the pool still gives its memory back."""
@@ -96,7 +96,7 @@ def _keep_pool_known(pool: "torch.cuda.MemPool", stream) -> None:
     _known_pools[pool] = anchor
 
 
-def _begin(graph: torch.cuda.CUDAGraph, pool, mode: str, stream) -> None:
+def _begin(graph: torch.cuda.CUDAGraph, pool: torch.cuda.MemPool, mode: str, stream: bindings.StreamLike) -> None:
     """``graph.capture_begin`` into ``pool`` on ``stream`` (the current stream); if it fails
     half-way, end what it began (its CUDA capture, its routing of allocations to the pool)."""
     try:
@@ -107,7 +107,7 @@ def _begin(graph: torch.cuda.CUDAGraph, pool, mode: str, stream) -> None:
         raise
 
 
-def _stop_routing_to(pool) -> None:
+def _stop_routing_to(pool: torch.cuda.MemPool) -> None:
     """Stop the routing of allocations to ``pool`` that a torch capture began and could not
     end (a pool that dies while allocations are routed aborts the process)."""
     with contextlib.suppress(RuntimeError):  # torch had stopped it: nothing left to stop
@@ -124,7 +124,9 @@ class TorchCapture:
     to let them go before raising :class:`GeneratorBusy`.
     """
 
-    def __init__(self, pool, stream, mode: str, generators: Sequence[torch.Generator], wait: float):
+    def __init__(
+        self, pool: torch.cuda.MemPool, stream: torch.cuda.Stream, mode: str, generators: Sequence[torch.Generator], wait: float
+    ):
         device = stream.device
         default = torch.cuda.default_generators[device.index]
         self.generators = [default] + [gen for gen in generators if gen is not default]

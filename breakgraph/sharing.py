@@ -66,8 +66,8 @@ def share_executables(graphs: Sequence[BreakableCUDAGraph]) -> list[Refusal]:
     for position, graph in enumerate(graphs):
         same_structure = [segment.kind for segment in graph.segments] == kinds
         for segment in graph.segments:
-            if segment.kind != "graph" or segment.executable is None:
-                continue  # an eager break, or a segment that launches another's executable already
+            if not segment.has_own_executable:
+                continue  # an eager break, a segment torch replays, or one that launches another's executable already
             if not same_structure:
                 refusals.append(Refusal(position, segment.index, ("different segments and breaks",)))
                 continue

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Callable, Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -26,14 +26,14 @@ from breakgraph import context
 
 
 class CaptureInfoProvider(Protocol):
-    def __call__(self, stream) -> CaptureInfo: ...
+    def __call__(self, stream: torch.cuda.Stream) -> CaptureInfo: ...
 
 
 class StreamJoinError(RuntimeError):
     """A side stream cannot be joined back into the capture stream."""
 
 
-def _stream_id(stream) -> int:
+def _stream_id(stream: torch.cuda.Stream) -> int:
     return stream.cuda_stream
 
 
@@ -48,10 +48,10 @@ class ForkJoinTracker:
 
     def __init__(
         self,
-        capture_stream,
+        capture_stream: torch.cuda.Stream,
         capture_info: CaptureInfoProvider,
-        join: Callable[[object, object], None],
-        fork: Callable[[object, object], None],
+        join: Callable[[torch.cuda.Stream, torch.cuda.Stream], None],
+        fork: Callable[[torch.cuda.Stream, torch.cuda.Stream], None],
     ):
         self.capture_stream = capture_stream
         self._capture_info = capture_info
@@ -59,10 +59,10 @@ class ForkJoinTracker:
         self._fork = fork
         self._capture_id: int | None = None  # asked of CUDA when a hook first needs it
         self._segment_number = 0
-        self._streams: dict[int, object] = {}  # every side stream seen this segment
+        self._streams: dict[int, torch.cuda.Stream] = {}  # every side stream seen this segment
         self._open: set[int] = set()  # forked, with work not yet joined
         self._joined_at: dict[int, tuple[int, ...]] = {}  # dependencies when last joined
-        self._carry: list[object] = []  # open at the last segment end: fork again
+        self._carry: list[torch.cuda.Stream] = []  # open at the last segment end: fork again
         self._recorded_on: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.segment_streams: list[tuple[int, ...]] = []  # per ended segment: side streams that took part
 
@@ -115,7 +115,7 @@ class ForkJoinTracker:
         return took_part
 
     # -- what the hooks report -----------------------------------------------
-    def stream_waited(self, waiter, source, source_info: CaptureInfo | None = None) -> None:
+    def stream_waited(self, waiter: torch.cuda.Stream, source: torch.cuda.Stream, source_info: CaptureInfo | None = None) -> None:
         """``waiter`` now waits on ``source``'s work (as of ``source_info``, default: now)."""
         info = self._capture_info(source) if source_info is None else source_info
         if info.status is not CaptureStatus.ACTIVE or info.capture_id != self.capture_id:
@@ -130,20 +130,20 @@ class ForkJoinTracker:
             return
         self._note_fork(waiter)
 
-    def event_recorded(self, event, stream) -> None:
+    def event_recorded(self, event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
         info = self._capture_info(stream)
         if info.status is CaptureStatus.ACTIVE and info.capture_id == self.capture_id:
             self._recorded_on[event] = (stream, self._segment_number, info)
         else:
             self._recorded_on.pop(event, None)
 
-    def recorded_in_earlier_segment(self, event) -> bool:
+    def recorded_in_earlier_segment(self, event: torch.cuda.Event) -> bool:
         """The event belongs to a capture that has ended: CUDA cannot wait on it
         inside this one, and by replay order its work is already done."""
         entry = self._recorded_on.get(event)
         return entry is not None and entry[1] != self._segment_number
 
-    def waited_on_earlier_segment(self, stream) -> None:
+    def waited_on_earlier_segment(self, stream: torch.cuda.Stream) -> None:
         """Stand-in for waiting on an event of an earlier segment: that work has
         finished before this segment starts, so ``stream`` only needs to follow
         the capture stream."""
@@ -151,13 +151,13 @@ class ForkJoinTracker:
             self._fork(stream, self.capture_stream)
             self._note_fork(stream)
 
-    def event_waited(self, event, stream) -> None:
+    def event_waited(self, event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
         entry = self._recorded_on.get(event)
         if entry is not None:
             source, _segment, info = entry
             self.stream_waited(stream, source, info)
 
-    def _note_fork(self, stream) -> None:
+    def _note_fork(self, stream: torch.cuda.Stream) -> None:
         sid = _stream_id(stream)
         self._streams[sid] = stream
         self._open.add(sid)
@@ -176,14 +176,14 @@ _originals: dict[tuple[type, str], Callable] = {}
 _quiet = threading.local()  # set while a hooked wait_stream runs its event calls
 
 
-def _tracker():
+def _tracker() -> ForkJoinTracker | None:
     capture = context.current()
     if capture is None or not capture.segment_open or getattr(_quiet, "active", False):
         return None  # outside a capture, or inside an eager break: plain torch semantics
     return capture.tracker
 
 
-def _hooked_wait_stream(self, stream):
+def _hooked_wait_stream(self: torch.cuda.Stream, stream: torch.cuda.Stream) -> None:
     tracker = _tracker()
     if tracker is None:
         return _originals[(torch.cuda.Stream, "wait_stream")](self, stream)
@@ -195,8 +195,8 @@ def _event_hook(name: str) -> Callable:
     """Decorator: ``tracked(original, event, stream, tracker)`` as the hook of ``Event.<name>``,
     which calls torch's own method outside a capture's segments."""
 
-    def make(tracked: Callable[[Callable, Any, torch.cuda.Stream, Any], None]) -> Callable:
-        def hooked(self, stream=None):
+    def make(tracked: Callable[[Callable, torch.cuda.Event, torch.cuda.Stream, ForkJoinTracker], None]) -> Callable:
+        def hooked(self: torch.cuda.Event, stream: torch.cuda.Stream | None = None) -> None:
             original = _originals[(torch.cuda.Event, name)]
             tracker = _tracker()
             if tracker is None:
@@ -209,13 +209,13 @@ def _event_hook(name: str) -> Callable:
 
 
 @_event_hook("record")
-def _hooked_event_record(original, event, stream, tracker) -> None:
+def _hooked_event_record(original: Callable, event: torch.cuda.Event, stream: torch.cuda.Stream, tracker: ForkJoinTracker) -> None:
     original(event, stream)
     tracker.event_recorded(event, stream)
 
 
 @_event_hook("wait")
-def _hooked_event_wait(original, event, stream, tracker) -> None:
+def _hooked_event_wait(original: Callable, event: torch.cuda.Event, stream: torch.cuda.Stream, tracker: ForkJoinTracker) -> None:
     if tracker.recorded_in_earlier_segment(event):
         tracker.waited_on_earlier_segment(stream)
         return
@@ -253,7 +253,7 @@ def remove_hooks() -> None:
             # removal still finds the method it calls (the hooks read it without the lock).
 
 
-def original_wait_stream(waiter, source) -> None:
+def original_wait_stream(waiter: torch.cuda.Stream, source: torch.cuda.Stream) -> None:
     """``waiter.wait_stream(source)`` with no bookkeeping by the hooks (torch
     implements it with an event record and wait, which are hooked too)."""
     _quiet.active = True

@@ -1,20 +1,23 @@
 """The replay plan on CPU, with segments whose launches record themselves: the order of the
 steps, where autograd goes off and comes back, writeback and launch errors, one function
-per stream."""
+per stream; debug mode's steps written from the same lines; a new kind of segment as one class."""
 
 import gc
 import linecache
 import traceback
 import weakref
+from dataclasses import dataclass
+from typing import Callable
 
 import pytest
 import torch
 
 import breakgraph_bindings as bindings
 import breakgraph as bg
-from breakgraph import debug as debug_mode
+from breakgraph import debug as debug_mode, diagnostics
+from breakgraph.breaks import EagerSegment
 from breakgraph.plan import ReplayPlan
-from breakgraph.segments import EagerSegment, TorchGraphSegment
+from breakgraph.segments import GraphSegment, Segment, TorchGraphSegment
 from breakgraph.writeback import WritebackError, make_writer
 
 CUDA_ERROR_INVALID_VALUE = 1
@@ -25,19 +28,15 @@ class Log(list):
         self.append((name, torch.is_grad_enabled()))
 
 
-class FakeGraphSegment:
-    """A segment launched through cuda.bindings: its launch returns ``(status,)``."""
-
-    kind = "graph"
-    argument_addresses = ()
-    result = None
+class FakeGraphSegment(GraphSegment):
+    """A segment launched through cuda.bindings, with its executable faked: its launch returns ``(status,)``."""
 
     def __init__(self, index, log, status=0):
-        self.index, self.name, self.log, self.status = index, f"graph {index}", log, status
-        self.streams = []
+        super().__init__(index, f"graph {index}", FakeGraph(), None, num_nodes=2)
+        self.log, self.status, self.streams = log, status, []
 
-    def launcher(self):
-        def launch(stream):
+    def launch_on(self, stream):
+        def launch():
             self.streams.append(int(stream))
             self.log.step(self.name)
             return (self.status,)
@@ -46,6 +45,14 @@ class FakeGraphSegment:
 
     def drop_executable(self):
         self.log.step(f"{self.name} dropped")
+
+
+class FakeGraph:
+    def to_dot(self, path):
+        path.write_text("digraph {}\n")
+
+    def destroy(self):
+        pass
 
 
 class FakeTorchGraph:
@@ -57,7 +64,7 @@ class FakeTorchGraph:
 
 
 def torch_segment(index, log):
-    return TorchGraphSegment(index, f"torch {index}", FakeTorchGraph(f"torch {index}", log), None)
+    return TorchGraphSegment(index, f"torch {index}", None, FakeTorchGraph(f"torch {index}", log))
 
 
 def eager_segment(index, log, captured=None, returns=None, kwargs=None):
@@ -65,7 +72,7 @@ def eager_segment(index, log, captured=None, returns=None, kwargs=None):
         log.step(f"break {index}")
         return returns(*args, **kwargs) if returns else captured
 
-    return EagerSegment(index, f"break {index}", function, (), kwargs or {}, captured, make_writer(f"break {index}", captured))
+    return EagerSegment(index, f"break {index}", function, (), kwargs or {}, make_writer(f"break {index}", captured), result=captured)
 
 
 def replay(plan, stream=0x1234):
@@ -213,3 +220,89 @@ def test_a_dropped_graph_and_its_compiled_plan_go_at_once_without_the_garbage_co
         assert dropped() is None
     finally:
         gc.enable()
+
+
+def synchronize_logged(monkeypatch, log):
+    monkeypatch.setattr(debug_mode.bindings, "synchronize", lambda stream: log.step("synchronize"))
+
+
+def test_a_break_replays_alike_in_the_plans_function_and_in_debug_modes_steps(monkeypatch):
+    synchronize_logged(monkeypatch, Log())
+    for debug in (False, True):
+        log, captured = Log(), torch.zeros(3)
+        segment = eager_segment(0, log, captured, returns=lambda scale: torch.full((3,), scale), kwargs={"scale": 4.0})
+        replay(ReplayPlan([segment], debug=debug))
+        assert torch.equal(captured, torch.full((3,), 4.0)) and segment.bytes_written == 12
+    errors = []
+    for debug in (False, True):
+        wrong = eager_segment(0, Log(), 1.5, returns=lambda: torch.ones(1))
+        with pytest.raises(WritebackError, match="type float at capture, Tensor at replay") as raised:
+            replay(ReplayPlan([wrong], debug=debug))
+        errors.append(str(raised.value))
+    assert errors[0] == errors[1]
+
+
+def test_debug_modes_steps_are_the_lines_of_the_replay_function():
+    log = Log()
+    plan = ReplayPlan([FakeGraphSegment(0, log), eager_segment(1, log, torch.zeros(1)), eager_segment(2, log, 2.5), torch_segment(3, log)])
+    replay(plan, 0x10)
+    steps = plan.step_functions(0x10)
+    assert len(steps) == 4
+
+    def source(what):
+        (lines,) = [linecache.getlines(name) for name in linecache.cache if name.startswith(f"<breakgraph {what} {id(plan):#x} ")]
+        return [line.strip() for line in lines if not line.startswith("def ")]
+
+    replay_lines = iter(source("replay"))
+    assert all(line in replay_lines for line in source("steps"))  # every step's lines, in the same order
+    del log[:]
+    for step in steps:
+        step()
+    assert [name for name, _ in log] == ["graph 0", "break 1", "break 2", "torch 3"]
+
+
+def test_a_failed_launch_in_debug_mode_names_its_segment(monkeypatch):
+    log = Log()
+    synchronize_logged(monkeypatch, log)
+    plan = ReplayPlan([FakeGraphSegment(0, log, CUDA_ERROR_INVALID_VALUE), eager_segment(1, log)], debug=True)
+    with pytest.raises(bg.SegmentError, match=r"segment 0 \(graph: graph 0\) failed: cudaGraphLaunch"):
+        replay(plan)
+    assert [name for name, _ in log] == ["graph 0"]
+
+
+@dataclass(eq=False)
+class HostCallback(Segment):
+    """A kind of segment breakgraph does not have, written as one class: a callback on the host."""
+
+    kind = "callback"
+    callback: Callable[[], None]
+
+    def emit(self, source):
+        source.python(f"{source.bind('callback', self.callback)}()")
+
+
+def test_a_new_kind_of_segment_is_one_class(monkeypatch, tmp_path):
+    log = Log()
+    synchronize_logged(monkeypatch, log)
+    graph = bg.BreakableCUDAGraph()
+    graph._segments = (FakeGraphSegment(0, log), HostCallback(1, "notify", lambda: log.step("callback")), eager_segment(2, log))
+    graph._current_stream = lambda: 0x10
+    graph._build_plan()
+    with torch.enable_grad():
+        graph.replay()
+    assert log == [("graph 0", True), ("callback", False), ("break 2", False)]
+    del log[:]
+    graph.debug = True
+    graph.replay()
+    assert [name for name, _ in log] == ["graph 0", "synchronize", "callback", "synchronize", "break 2", "synchronize"]
+    assert (graph.num_graphs, graph.num_eager_breaks, graph.executable_bytes) == (1, 1, 0)
+    rows = diagnostics.summary_rows(graph)
+    assert [(row["kind"], row["nodes"], row["bytes_written"]) for row in rows] == [("graph", 2, ""), ("callback", 0, 0), ("eager", "", 0)]
+    written = diagnostics.to_dot(graph, tmp_path, render=False)
+    assert sorted(path.name for path in written) == ["overview.dot", "segment_0.dot"]
+    assert 's1 [shape=ellipse, label="callback 1\\nnotify"];' in (tmp_path / "overview.dot").read_text()
+    del log[:]
+    graph.release_executables()
+    assert log == [("graph 0 dropped", True)]
+    graph.reset()
+    assert graph.segments == ()

@@ -32,7 +32,7 @@ class _Graph(bg.BreakableCUDAGraph):
     captured, released, segments = True, False, ()
 
     def __init__(self, name: str, executable: _Executable, num_nodes: int = 3):
-        self.segments = (GraphSegment(0, f"graph of {name}", name, executable, num_nodes),)
+        self.segments = (GraphSegment(0, f"graph of {name}", name, executable, num_nodes=num_nodes),)
 
     def rebuild_replay_plan(self) -> None:
         pass
