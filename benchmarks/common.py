@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 import breakgraph as bg
-from breakgraph.command_line import refuse_unknown_arguments, write_problem
-from breakgraph.runtime import cuda_problem
+from breakgraph.base.command_line import refuse_unknown_arguments, write_problem
+from breakgraph.base.runtime import cuda_problem
 
 
 class BenchmarkParser(argparse.ArgumentParser):

@@ -15,7 +15,7 @@ import statistics
 import torch
 
 import breakgraph as bg
-from breakgraph.runtime import run_on_stream
+from breakgraph.base.runtime import run_on_stream
 from benchmarks.attention import AttentionMetadata, attention, attention_break, attention_from_positions
 from benchmarks.common import time_per_call_us
 from benchmarks.decoder import Decoder, MetaBreakable, TorchPiecewise, assert_matches_eager

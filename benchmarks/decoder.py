@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from breakgraph.runtime import run_on_stream
+from breakgraph.base.runtime import run_on_stream
 from benchmarks.attention import AttentionMetadata, attention
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 import breakgraph as bg
-from breakgraph.runtime import run_on_stream
+from breakgraph.base.runtime import run_on_stream
 from benchmarks.attention import AttentionMetadata, attention_break
 from benchmarks.decoder import Decoder, TorchPiecewise, assert_matches_eager
 

@@ -28,7 +28,7 @@ import torch
 import breakgraph as bg
 import breakgraph_bindings as bindings
 
-from breakgraph.pool import PoolUsage
+from breakgraph.base.pool import PoolUsage
 
 from benchmarks.common import benchmark_parser, device_meta, require_gpu, time_variants, write_outputs
 from benchmarks.attention import attention_break

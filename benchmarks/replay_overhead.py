@@ -17,7 +17,7 @@ import torch
 
 import breakgraph_bindings as bindings
 import breakgraph as bg
-from breakgraph.runtime import run_on_stream
+from breakgraph.base.runtime import run_on_stream
 from benchmarks.common import benchmark_parser, device_meta, noop, plot_grouped_bars, replay_each, require_gpu, time_variants, write_outputs
 from benchmarks.peers import META, capture_meta_region, load_meta, meta_ratios
 

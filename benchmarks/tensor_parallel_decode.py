@@ -20,7 +20,7 @@ from benchmarks.decode_step_variants import FROZEN_LENGTH, LIVE_LENGTHS, VARIANT
 from benchmarks.decoder import Decoder, DecoderConfig, MetaBreakable, TensorParallel, TorchPiecewise
 from benchmarks.peers import META, load_meta
 from benchmarks.tensor_parallel_ranks import checked_on_every_rank, on_every_rank
-from breakgraph.runtime import run_on_stream
+from breakgraph.base.runtime import run_on_stream
 
 DECODE = "decode step"  # the part, as the table's "part" column names it
 EAGER = VARIANTS[0]  # the names Step.check knows eager and the bound by

@@ -26,7 +26,7 @@ from torch import nn
 import breakgraph as bg
 from benchmarks.common import benchmark_parser, device_meta, plot_grouped_bars, require_gpu, time_alternated, write_outputs
 from benchmarks.peers import META, load_meta, meta_ratios
-from breakgraph.runtime import run_on_stream
+from breakgraph.base.runtime import run_on_stream
 
 VARIANTS = ("eager", "breakgraph", "torch CUDAGraph per segment", "lower bound: monolithic graph, no breaks")
 

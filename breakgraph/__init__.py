@@ -8,24 +8,24 @@ while the rest keeps the launch-overhead savings of graphs.
 __version__ = "0.1.0"
 
 from breakgraph_bindings import CudaError
-from breakgraph.breaks import LifetimeWarning
-from breakgraph.capture import BreakableCUDAGraphCapture
-from breakgraph.context import is_capturing
-from breakgraph.debug import SegmentError
-from breakgraph.dispatch import CaptureInvalidatedError, UncapturableOpError
-from breakgraph.eager import break_graph, eager_on_graph
-from breakgraph.graph import BreakableCUDAGraph
-from breakgraph.graphed import GraphedCallable, graphed
-from breakgraph.options import CaptureOptions, RunnerOptions
-from breakgraph.outputs import FrozenOutputWarning
-from breakgraph.pool import pool_bytes
-from breakgraph.ranks import CaptureAgreement, PeerCaptureError, agreed_batch_size
-from breakgraph.runner import GraphRunner
-from breakgraph.sharing import share_executables
-from breakgraph.sizes import default_capture_sizes
-from breakgraph.streams import StreamJoinError
-from breakgraph.tables import format_table
-from breakgraph.writeback import WritebackError
+from breakgraph.recording.breaks import LifetimeWarning
+from breakgraph.graphs.capture import BreakableCUDAGraphCapture
+from breakgraph.base.context import is_capturing
+from breakgraph.graphs.debug import SegmentError
+from breakgraph.recording.dispatch import CaptureInvalidatedError, UncapturableOpError
+from breakgraph.recording.eager import break_graph, eager_on_graph
+from breakgraph.graphs.graph import BreakableCUDAGraph
+from breakgraph.graphs.graphed import GraphedCallable, graphed
+from breakgraph.base.options import CaptureOptions, RunnerOptions
+from breakgraph.recording.outputs import FrozenOutputWarning
+from breakgraph.base.pool import pool_bytes
+from breakgraph.base.ranks import CaptureAgreement, PeerCaptureError, agreed_batch_size
+from breakgraph.serving.runner import GraphRunner
+from breakgraph.graphs.sharing import share_executables
+from breakgraph.base.sizes import default_capture_sizes
+from breakgraph.recording.streams import StreamJoinError
+from breakgraph.base.tables import format_table
+from breakgraph.recording.writeback import WritebackError
 
 __all__ = [
     "BreakableCUDAGraph",

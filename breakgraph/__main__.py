@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="store_true", help="print the versions and the GPU seen, and exit")
     commands = parser.add_subparsers(dest="command", metavar="command", title="commands")
     from breakgraph import demo
-    from breakgraph.command_line import refuse_unknown_arguments
+    from breakgraph.base.command_line import refuse_unknown_arguments
 
     demo_parser = commands.add_parser("demo", help=COMMANDS["demo"], description=COMMANDS["demo"])
     demo.add_arguments(demo_parser)

@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import breakgraph as bg
-from breakgraph import diagnostics, runtime
-from breakgraph.command_line import write_problem
+from breakgraph import diagnostics
+from breakgraph.base import runtime
+from breakgraph.base.command_line import write_problem
 
 
 @bg.eager_on_graph

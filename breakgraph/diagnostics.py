@@ -16,9 +16,9 @@ from typing import Protocol
 
 import torch
 
-from breakgraph.graph import BreakableCUDAGraph
-from breakgraph.plan import ReplayPlan
-from breakgraph.tables import format_table
+from breakgraph.graphs.graph import BreakableCUDAGraph
+from breakgraph.graphs.plan import ReplayPlan
+from breakgraph.base.tables import format_table
 
 
 class HoldsGraph(Protocol):

@@ -2,7 +2,7 @@ from collections import Counter
 
 import pytest
 
-from breakgraph.runtime import cuda_available
+from breakgraph.base.runtime import cuda_available
 
 NO_GPU = "needs a CUDA GPU"
 

@@ -4,8 +4,8 @@ import dataclasses
 
 import torch
 
-from breakgraph import trees
-from breakgraph.aliasing import alias_leaves, alias_result, alias_tensor
+from breakgraph.base import trees
+from breakgraph.recording.aliasing import alias_leaves, alias_result, alias_tensor
 
 
 def test_an_alias_views_the_same_bytes_with_the_same_layout():

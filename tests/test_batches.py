@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from breakgraph.batches import StaticInputs, live_rows
+from breakgraph.serving.batches import StaticInputs, live_rows
 
 
 @settings(max_examples=60, deadline=None)

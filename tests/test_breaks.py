@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from breakgraph import trees
-from breakgraph.breaks import record_break
+from breakgraph.base import trees
+from breakgraph.recording.breaks import record_break
 
 
 @dataclasses.dataclass

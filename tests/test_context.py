@@ -5,7 +5,7 @@ import threading
 import pytest
 
 import breakgraph as bg
-from breakgraph import context
+from breakgraph.base import context
 
 
 class FakeCapture:

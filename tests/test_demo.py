@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from breakgraph.runtime import cuda_available
+from breakgraph.base.runtime import cuda_available
 
 
 @pytest.mark.skipif(cuda_available(), reason="checks the no-GPU path")

@@ -8,7 +8,7 @@ import torch
 import breakgraph as bg
 from breakgraph import diagnostics
 from breakgraph.diagnostics import format_profile
-from breakgraph.runtime import cuda_available
+from breakgraph.base.runtime import cuda_available
 
 
 def test_profile_table_has_timing_columns():

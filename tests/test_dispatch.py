@@ -3,7 +3,7 @@
 import pytest
 
 import breakgraph_bindings as bindings
-from breakgraph.dispatch import (
+from breakgraph.recording.dispatch import (
     CaptureInvalidatedError,
     UncapturableOpError,
     clearer_error,

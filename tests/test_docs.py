@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from breakgraph.runtime import cuda_available
+from breakgraph.base.runtime import cuda_available
 from tests.launch import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]

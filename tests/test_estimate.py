@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 import breakgraph as bg
-from breakgraph.estimate import SEGMENT_BYTES, Probe, extrapolate, line, probe_sizes
+from breakgraph.base.estimate import SEGMENT_BYTES, Probe, extrapolate, line, probe_sizes
 
 sizes_lists = st.lists(st.integers(1, 4096), min_size=1, max_size=60, unique=True)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import breakgraph as bg
-from breakgraph.runtime import cuda_available
+from breakgraph.base.runtime import cuda_available
 
 no_gpu = pytest.mark.skipif(cuda_available(), reason="checks the no-GPU fallback")
 

@@ -27,11 +27,13 @@ def test_the_contracts_are_kept():
     "path, line, broken",
     [
         ("breakgraph_bindings/graph.py", "import torch", "bindings talks to cuda-python only"),
-        ("breakgraph/segments.py", "import breakgraph.graph", "engine modules form layers"),
-        ("breakgraph/runtime.py", "import tests.helpers", "library code never imports benchmarks or tests"),
-        ("breakgraph/unlisted.py", "import breakgraph.trees", "engine modules form layers"),
+        ("breakgraph/recording/segments.py", "import breakgraph.graphs.graph", "engine layers"),
+        ("breakgraph/recording/segments.py", "import breakgraph.recording.recorder", "recording: the recorder over breaks"),
+        ("breakgraph/base/checks.py", "import breakgraph.base.options", "base: services over the checks"),
+        ("breakgraph/base/runtime.py", "import tests.helpers", "library code never imports benchmarks or tests"),
+        ("breakgraph/unlisted.py", "import breakgraph.base.trees", "engine layers"),
         ("benchmarks/decoder.py", "import breakable_cuda_graphs", "only benchmarks.peers imports Meta's library"),
-        ("breakgraph/runner.py", "import transformers", "only breakgraph.hf imports transformers"),
+        ("breakgraph/serving/runner.py", "import transformers", "only breakgraph.hf imports transformers"),
     ],
 )
 def test_a_deliberately_broken_contract_fails(tmp_path, path, line, broken):

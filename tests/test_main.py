@@ -92,7 +92,7 @@ def test_a_plot_folder_that_cannot_be_made_is_refused_before_the_run(capsys):
 
 
 def test_a_folder_is_writable_where_it_can_be_made_and_is_not_made_by_the_check(tmp_path):
-    from breakgraph.command_line import write_problem
+    from breakgraph.base.command_line import write_problem
 
     missing = tmp_path / "new" / "plots"
     assert write_problem(missing) is None and write_problem(tmp_path) is None

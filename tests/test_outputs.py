@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import breakgraph as bg
-from breakgraph.outputs import check_output
-from breakgraph.runtime import cuda_available
+from breakgraph.recording.outputs import check_output
+from breakgraph.base.runtime import cuda_available
 
 no_gpu = pytest.mark.skipif(cuda_available(), reason="checks the no-GPU fallback (tests/gpu/test_outputs.py checks the GPU)")
 

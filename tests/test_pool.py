@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 import breakgraph as bg
-from breakgraph import pool as pool_module
-from breakgraph.pool import PoolUsage
+from breakgraph.base import pool as pool_module
+from breakgraph.base.pool import PoolUsage
 
 ROOT = Path(__file__).resolve().parents[1]
 

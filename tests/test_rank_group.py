@@ -18,10 +18,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import breakgraph as bg
-from breakgraph.dispatch import BarrierBeforeCollectives
-from breakgraph.batches import StaticInputs
-from breakgraph.policy import CapturePolicy
-from breakgraph.rank_group import GIVE_UP, KEEP, RETRY, RankGroup
+from breakgraph.recording.dispatch import BarrierBeforeCollectives
+from breakgraph.serving.batches import StaticInputs
+from breakgraph.serving.policy import CapturePolicy
+from breakgraph.serving.rank_group import GIVE_UP, KEEP, RETRY, RankGroup
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch has no torch.distributed")
 

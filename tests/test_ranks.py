@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import breakgraph as bg
-from breakgraph.ranks import PeerBarrier
+from breakgraph.base.ranks import PeerBarrier
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch has no torch.distributed")
 

@@ -14,11 +14,12 @@ import torch
 
 import breakgraph_bindings as bindings
 import breakgraph as bg
-from breakgraph import debug as debug_mode, diagnostics
-from breakgraph.breaks import EagerSegment
-from breakgraph.plan import ReplayPlan
-from breakgraph.segments import GraphSegment, Segment, TorchGraphSegment
-from breakgraph.writeback import WritebackError, make_writer
+from breakgraph.graphs import debug as debug_mode
+from breakgraph import diagnostics
+from breakgraph.recording.breaks import EagerSegment
+from breakgraph.graphs.plan import ReplayPlan
+from breakgraph.recording.segments import GraphSegment, Segment, TorchGraphSegment
+from breakgraph.recording.writeback import WritebackError, make_writer
 
 CUDA_ERROR_INVALID_VALUE = 1
 

@@ -10,9 +10,10 @@ import types
 import pytest
 import torch
 
-from breakgraph import context, recorder, rng
-from breakgraph.dispatch import is_random_op_refusal
-from breakgraph.options import CaptureOptions
+from breakgraph.base import context
+from breakgraph.recording import recorder, rng
+from breakgraph.recording.dispatch import is_random_op_refusal
+from breakgraph.base.options import CaptureOptions
 
 VERSIONS = ["2.8.0", "2.9.1", "2.10.0", "2.11.0+cu130", "2.12.0", "2.12.0.dev20260301+cu130", "2.13.0+cpu", "2.14.0", "2.14.1"]
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import breakgraph as bg
-from breakgraph.runtime import cuda_available
+from breakgraph.base.runtime import cuda_available
 
 
 @pytest.mark.filterwarnings("ignore:breakgraph. no CUDA GPU is available")  # these runners are only made

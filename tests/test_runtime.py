@@ -6,7 +6,7 @@ import sys
 import pytest
 
 import breakgraph as bg
-from breakgraph import runtime
+from breakgraph.base import runtime
 
 
 def test_debug_env_switch(monkeypatch):

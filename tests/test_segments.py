@@ -6,9 +6,9 @@ import pytest
 from cuda.bindings import runtime as cudart
 
 import breakgraph_bindings as bindings
-from breakgraph.breaks import EagerSegment
-from breakgraph.plan import ReplayPlan
-from breakgraph.segments import GraphSegment, Segment, SharedExecutable
+from breakgraph.recording.breaks import EagerSegment
+from breakgraph.graphs.plan import ReplayPlan
+from breakgraph.recording.segments import GraphSegment, Segment, SharedExecutable
 
 _REFUSED = int(cudart.cudaError_t.cudaErrorGraphExecUpdateFailure)
 
@@ -86,7 +86,7 @@ def test_sharing_destroys_the_segments_own_executable_but_not_the_shared_one():
 
 def test_a_shared_executable_launches_with_the_parameters_of_the_graph_it_launches_for(monkeypatch):
     launched = []
-    monkeypatch.setattr("breakgraph.segments._launch", lambda handle, stream: launched.append((handle, int(stream))) or (0,))
+    monkeypatch.setattr("breakgraph.recording.segments._launch", lambda handle, stream: launched.append((handle, int(stream))) or (0,))
     first, second = FakeGraph("size 8"), FakeGraph("size 4")
     executable = FakeExecutable()
     shared = SharedExecutable(executable, holds=first)

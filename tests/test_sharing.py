@@ -4,8 +4,8 @@ from cuda.bindings import runtime as cudart
 
 import breakgraph as bg
 import breakgraph_bindings as bindings
-from breakgraph.segments import GraphSegment
-from breakgraph.sharing import Refusal
+from breakgraph.recording.segments import GraphSegment
+from breakgraph.graphs.sharing import Refusal
 
 _UPDATE_FAILURE = int(cudart.cudaError_t.cudaErrorGraphExecUpdateFailure)
 

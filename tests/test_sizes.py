@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from breakgraph.sizes import choose_size, default_capture_sizes, validate_capture_sizes
+from breakgraph.base.sizes import choose_size, default_capture_sizes, validate_capture_sizes
 
 sorted_sizes = st.lists(st.integers(1, 512), min_size=1, max_size=40, unique=True).map(sorted)
 

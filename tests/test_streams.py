@@ -10,7 +10,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from breakgraph_bindings import CaptureInfo, CaptureStatus
-from breakgraph.streams import ForkJoinTracker
+from breakgraph.recording.streams import ForkJoinTracker
 
 
 class FakeStream:
@@ -194,7 +194,7 @@ def test_joined_stream_without_new_work_is_not_joined_again():
 
 def test_a_hook_entered_before_the_last_capture_ends_still_finds_torchs_method():
     """Hooks read the saved originals without the lock; removing the hooks must not take them away."""
-    from breakgraph import streams
+    from breakgraph.recording import streams
 
     original = torch.cuda.Stream.__dict__["wait_stream"]
     streams.install_hooks()

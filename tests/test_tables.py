@@ -1,6 +1,6 @@
 """Plain-text tables (no GPU needed)."""
 
-from breakgraph.tables import format_table
+from breakgraph.base.tables import format_table
 
 
 def test_table_columns_are_aligned():

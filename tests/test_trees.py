@@ -8,7 +8,7 @@ import torch.utils._pytree as torch_pytree
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from breakgraph import trees
+from breakgraph.base import trees
 
 
 @dataclasses.dataclass

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from breakgraph.writeback import WritebackError, make_writer
+from breakgraph.recording.writeback import WritebackError, make_writer
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.bool]
 

@@ -9,7 +9,7 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from breakgraph.checks import require_count
+from breakgraph.base.checks import require_count
 
 
 class RowLengths:

@@ -16,10 +16,10 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from breakgraph.checks import refuse_unknown
+from breakgraph.base.checks import refuse_unknown
 from breakgraph.hf.cache import KVCache
 from breakgraph.hf.steps import ModelForward
-from breakgraph.runner import GraphRunner
+from breakgraph.serving.runner import GraphRunner
 
 COMPILE_KEYWORDS = ("backend", "mode", "options", "dynamic", "fullgraph")
 """What ``Generator(compile={...})`` hands ``torch.compile``."""

@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import torch
 
-from breakgraph.rank_group import RankGroup
+from breakgraph.serving.rank_group import RankGroup
 
 
 def default_generator(device: torch.device) -> torch.Generator:

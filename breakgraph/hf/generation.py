@@ -10,7 +10,7 @@ import torch
 from transformers import PreTrainedModel
 
 import breakgraph as bg
-from breakgraph.checks import refuse_unknown, require_bool, require_choice, require_count
+from breakgraph.base.checks import refuse_unknown, require_bool, require_choice, require_count
 from breakgraph.hf.cache import KVCache
 from breakgraph.hf.compiled import DecodeCompile, compile_keywords, compiled_forward
 from breakgraph.hf.draws import Draws, require_generator_on

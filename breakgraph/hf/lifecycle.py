@@ -19,11 +19,11 @@ from typing import Any, Callable, ContextManager, Iterable, Sequence
 
 import torch
 
-from breakgraph import runtime
+from breakgraph.base import runtime
 from breakgraph.hf.compiled import BackgroundCompile, DecodeCompile
 from breakgraph.hf.draws import Draws
-from breakgraph.rank_group import RankGroup
-from breakgraph.runner import GraphRunner
+from breakgraph.serving.rank_group import RankGroup
+from breakgraph.serving.runner import GraphRunner
 
 
 class CompilePhase(enum.Enum):

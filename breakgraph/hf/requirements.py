@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 from transformers import PreTrainedModel
 
-from breakgraph.checks import require_bool
+from breakgraph.base.checks import require_bool
 from breakgraph.hf.registration import ATTENTION
 
 

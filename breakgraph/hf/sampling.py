@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from breakgraph.checks import require_bool
+from breakgraph.base.checks import require_bool
 
 # What transformers' generate() takes where neither the call nor the generation config says.
 DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}

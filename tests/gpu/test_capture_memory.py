@@ -6,8 +6,8 @@ import weakref
 import torch
 
 import breakgraph as bg
-from breakgraph.pool import PoolUsage
-from breakgraph.runtime import claim_capture_stream, run_on_stream
+from breakgraph.base.pool import PoolUsage
+from breakgraph.base.runtime import claim_capture_stream, run_on_stream
 from tests.helpers import assert_close, poison_, scale_eager, softmax_eager
 
 DEV = "cuda"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import breakgraph as bg
-from breakgraph.runtime import on_stream
+from breakgraph.base.runtime import on_stream
 from tests.helpers import assert_close, check_against_eager, poison_, scale_eager, softmax_eager
 
 DEV = "cuda"

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import breakgraph as bg
 import breakgraph_bindings as bindings
-from breakgraph.ranks import PeerBarrier
+from breakgraph.base.ranks import PeerBarrier
 from tests.helpers import assert_close
 
 DEV = "cuda"

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import breakgraph as bg
-from breakgraph import recorder, rng
+from breakgraph.recording import recorder, rng
 from tests.helpers import assert_close, poison_
 
 DEV = "cuda"
@@ -419,7 +419,7 @@ def test_a_training_step_with_dropout_is_bit_exact_against_eager_over_ten_steps(
 
 def watched_ops(monkeypatch) -> list:
     """Every op the op watch is handed from now on."""
-    from breakgraph.dispatch import CaptureDispatchMode
+    from breakgraph.recording.dispatch import CaptureDispatchMode
 
     seen, watch = [], CaptureDispatchMode.__torch_dispatch__
 
@@ -450,7 +450,7 @@ def test_a_callable_that_draws_where_its_warm_up_did_not_is_captured_again_with_
 
 
 def test_a_runners_sizes_after_the_first_are_watched_when_the_first_drew(monkeypatch):
-    from breakgraph.graphed import GraphedCallable
+    from breakgraph.graphs.graphed import GraphedCallable
 
     attempts = []
     capture_on = GraphedCallable._capture_on

@@ -8,13 +8,13 @@ from typing import Callable, Hashable, Sequence
 
 import torch
 
-from breakgraph import runtime
-from breakgraph.batches import StaticInputs
-from breakgraph.dispatch import UncapturableOpError, is_capture_invalidated, is_capture_violation
-from breakgraph.graphed import GraphedCallable
-from breakgraph.options import RunnerOptions
-from breakgraph.rank_group import GIVE_UP, KEEP, RETRY, RankGroup
-from breakgraph.ranks import PeerCaptureError
+from breakgraph.base import runtime
+from breakgraph.serving.batches import StaticInputs
+from breakgraph.recording.dispatch import UncapturableOpError, is_capture_invalidated, is_capture_violation
+from breakgraph.graphs.graphed import GraphedCallable
+from breakgraph.base.options import RunnerOptions
+from breakgraph.serving.rank_group import GIVE_UP, KEEP, RETRY, RankGroup
+from breakgraph.base.ranks import PeerCaptureError
 
 log = logging.getLogger("breakgraph.runner")
 

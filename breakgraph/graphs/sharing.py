@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import breakgraph_bindings as bindings
-from breakgraph.graph import BreakableCUDAGraph
-from breakgraph.segments import GraphSegment, SharedExecutable
+from breakgraph.graphs.graph import BreakableCUDAGraph
+from breakgraph.recording.segments import GraphSegment, SharedExecutable
 
 
 @dataclass(frozen=True)

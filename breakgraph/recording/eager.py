@@ -5,8 +5,8 @@ from __future__ import annotations
 import functools
 from typing import Callable, TypeVar, overload
 
-from breakgraph import context
-from breakgraph.checks import refuse_unknown_keywords, require_bool
+from breakgraph.base import context
+from breakgraph.base.checks import refuse_unknown_keywords, require_bool
 
 F = TypeVar("F", bound=Callable)
 

@@ -5,7 +5,7 @@ capture needs (the pool routing, stream hooks, the paused cycle collector, the
 active-capture context, the first segment) as one scope; :meth:`Recorder.finish`
 closes it and hands back the segments, :meth:`Recorder.abort` closes it and
 destroys them. The recorder is what ``eager``, ``dispatch`` and ``streams`` see
-through :class:`breakgraph.context.ActiveCapture`.
+through :class:`breakgraph.base.context.ActiveCapture`.
 """
 
 from __future__ import annotations
@@ -17,14 +17,15 @@ from typing import Any, Callable
 import torch
 
 import breakgraph_bindings as bindings
-from breakgraph import context, rng, runtime, streams
-from breakgraph.breaks import record_break, warn_kept_allocations
-from breakgraph.dispatch import BarrierBeforeCollectives, CaptureDispatchMode, UncapturableOpError, is_capture_violation
-from breakgraph.naming import function_name
-from breakgraph.options import CaptureOptions
-from breakgraph.pool import PoolUsage, captures_running
-from breakgraph.ranks import PeerBarrier
-from breakgraph.segments import GraphSegment, Segment, TorchGraphSegment
+from breakgraph.base import context, runtime
+from breakgraph.recording import rng, streams
+from breakgraph.recording.breaks import record_break, warn_kept_allocations
+from breakgraph.recording.dispatch import BarrierBeforeCollectives, CaptureDispatchMode, UncapturableOpError, is_capture_violation
+from breakgraph.base.naming import function_name
+from breakgraph.base.options import CaptureOptions
+from breakgraph.base.pool import PoolUsage, captures_running
+from breakgraph.base.ranks import PeerBarrier
+from breakgraph.recording.segments import GraphSegment, Segment, TorchGraphSegment
 
 _GENERATOR_WAIT_S = 60.0
 """How long a random op waits for another capture's segment to let the generators go."""
@@ -43,7 +44,7 @@ class Recorder:
 
     A segment is recorded through cuda.bindings until it meets a random op (the
     op watch reports it: :meth:`random_op`); from that op on, up to the next break
-    or the end, torch records it (:class:`breakgraph.rng.TorchCapture`), since only
+    or the end, torch records it (:class:`breakgraph.recording.rng.TorchCapture`), since only
     a capture torch began can draw random numbers that each replay draws afresh.
     """
 

@@ -31,7 +31,7 @@ from typing import Any
 import numpy
 import torch
 
-from breakgraph import runtime, trees
+from breakgraph.base import runtime, trees
 
 
 class FrozenOutputWarning(UserWarning):

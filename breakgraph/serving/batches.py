@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from breakgraph import trees
+from breakgraph.base import trees
 
 
 class StaticInputs:

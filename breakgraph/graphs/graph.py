@@ -5,9 +5,9 @@ between :meth:`~BreakableCUDAGraph.capture_begin` and
 :meth:`~BreakableCUDAGraph.capture_end` on the current stream (the
 :class:`~breakgraph.BreakableCUDAGraphCapture` context manager calls them),
 then replayed any number of times. What happens during capture is the
-recorder's business (:mod:`breakgraph.recorder`); what the graph holds
+recorder's business (:mod:`breakgraph.recording.recorder`); what the graph holds
 afterwards is a tuple of segments and the replay plan built from them
-(:mod:`breakgraph.plan`).
+(:mod:`breakgraph.graphs.plan`).
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ from typing import Any, Callable
 
 import torch
 
-from breakgraph import context, recorder, runtime
-from breakgraph.dispatch import clearer_error
-from breakgraph.options import CaptureOptions
-from breakgraph.plan import ReplayPlan
-from breakgraph.pool import OwnedPool, new_pool, require_pool
-from breakgraph.segments import Segment
+from breakgraph.base import context, runtime
+from breakgraph.recording import recorder
+from breakgraph.recording.dispatch import clearer_error
+from breakgraph.base.options import CaptureOptions
+from breakgraph.graphs.plan import ReplayPlan
+from breakgraph.base.pool import OwnedPool, new_pool, require_pool
+from breakgraph.recording.segments import Segment
 
 
 class BreakableCUDAGraph:

@@ -21,7 +21,7 @@ class ActiveCapture(Protocol):
     """True while a graph segment is recording; False inside an eager break."""
 
     tracker: Any
-    """The side-stream fork/join tracker of this capture (:class:`breakgraph.streams.ForkJoinTracker`)."""
+    """The side-stream fork/join tracker of this capture (:class:`breakgraph.recording.streams.ForkJoinTracker`)."""
 
     def run_break(
         self,

@@ -7,20 +7,21 @@ from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
-from breakgraph import diagnostics, runtime
-from breakgraph.batches import StaticInputs, live_rows
-from breakgraph.checks import require_bool, require_choice, require_count
-from breakgraph.estimate import MemoryEstimate
-from breakgraph.graph import BreakableCUDAGraph
-from breakgraph.memory import RunnerMemory
-from breakgraph.naming import function_name
-from breakgraph.options import RunnerOptions, parse_modes
-from breakgraph.outputs import check_output
-from breakgraph.policy import CapturePolicy
-from breakgraph.progress import progress_bar
-from breakgraph.rank_group import RankGroup
-from breakgraph.sharing import Refusal
-from breakgraph.sizes import by_key_and_size, checked_keys, choose_size, known_keys, sizes_by_key
+from breakgraph import diagnostics
+from breakgraph.base import runtime
+from breakgraph.serving.batches import StaticInputs, live_rows
+from breakgraph.base.checks import require_bool, require_choice, require_count
+from breakgraph.base.estimate import MemoryEstimate
+from breakgraph.graphs.graph import BreakableCUDAGraph
+from breakgraph.serving.memory import RunnerMemory
+from breakgraph.base.naming import function_name
+from breakgraph.base.options import RunnerOptions, parse_modes
+from breakgraph.recording.outputs import check_output
+from breakgraph.serving.policy import CapturePolicy
+from breakgraph.base.progress import progress_bar
+from breakgraph.serving.rank_group import RankGroup
+from breakgraph.graphs.sharing import Refusal
+from breakgraph.base.sizes import by_key_and_size, checked_keys, choose_size, known_keys, sizes_by_key
 
 log = logging.getLogger("breakgraph.runner")
 
@@ -45,7 +46,7 @@ class GraphRunner:
     ``group`` makes the runner one of several tensor-parallel ranks: each
     capture is kept on every rank or on none, every call is padded to the
     largest batch of any rank, and every rank replays the same graph or runs
-    eagerly (``ranks`` is then the :class:`~breakgraph.rank_group.RankGroup`
+    eagerly (``ranks`` is then the :class:`~breakgraph.serving.rank_group.RankGroup`
     they agree through). Every rank makes its runner and calls it alike.
 
     Arguments:

@@ -20,12 +20,12 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from breakgraph import trees
-from breakgraph.aliasing import alias_leaves, alias_result, alias_tensor
-from breakgraph.outputs import check_output
-from breakgraph.pool import PoolUsage
-from breakgraph.segments import ReplaySource, Segment
-from breakgraph.writeback import Writer, make_writer
+from breakgraph.base import trees
+from breakgraph.recording.aliasing import alias_leaves, alias_result, alias_tensor
+from breakgraph.recording.outputs import check_output
+from breakgraph.base.pool import PoolUsage
+from breakgraph.recording.segments import ReplaySource, Segment
+from breakgraph.recording.writeback import Writer, make_writer
 
 
 @dataclass(eq=False)
@@ -33,7 +33,7 @@ class EagerSegment(Segment):
     """An eager break: ``function`` replayed on aliases of its capture-time arguments.
 
     ``result`` is the capture-time result (aliases of its tensors when it is
-    only CUDA tensors, see :func:`~breakgraph.aliasing.alias_result`); ``write``
+    only CUDA tensors, see :func:`~breakgraph.recording.aliasing.alias_result`); ``write``
     copies each replay's result into it, where later segments read it.
     ``argument_addresses`` (path, weak references to the tensor and its
     storage, data pointer, whether the graph's pool holds it) lets debug mode

@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 
-from breakgraph import runtime
-from breakgraph.dispatch import clearer_error
-from breakgraph.options import CaptureOptions
-from breakgraph.graph import BreakableCUDAGraph
+from breakgraph.base import runtime
+from breakgraph.recording.dispatch import clearer_error
+from breakgraph.base.options import CaptureOptions
+from breakgraph.graphs.graph import BreakableCUDAGraph
 
 
 class BreakableCUDAGraphCapture:

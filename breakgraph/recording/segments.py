@@ -1,10 +1,10 @@
 """The pieces a breakable graph is made of, one class per kind, and the graph segments.
 
 Every kind implements :class:`Segment` (the eager break's is
-:class:`breakgraph.breaks.EagerSegment`), and no other module tells kinds apart
+:class:`breakgraph.recording.breaks.EagerSegment`), and no other module tells kinds apart
 (``kind`` is only shown). A segment writes the lines of its own replay into the
 replay's source (:meth:`~Segment.emit`): those lines are the one place a kind's
-replay is written, and :mod:`breakgraph.plan` builds from them both the replay
+replay is written, and :mod:`breakgraph.graphs.plan` builds from them both the replay
 function and the per-step functions that debug mode checks and the profile
 times. The rest of the interface ends a capture (:meth:`~Segment.captured_anything`,
 :meth:`~Segment.take_in`, :meth:`~Segment.ready`), releases and restores

@@ -13,17 +13,18 @@ from typing import Any, Callable
 
 import torch
 
-from breakgraph import context, rng, runtime, trees
-from breakgraph.capture import BreakableCUDAGraphCapture
-from breakgraph.checks import near_miss
-from breakgraph.dispatch import UncapturableOpError, is_random_op_refusal
-from breakgraph.eager import eager_on_graph
-from breakgraph.graph import BreakableCUDAGraph
-from breakgraph.naming import function_name
-from breakgraph.options import CaptureOptions, parse_warmup
-from breakgraph.outputs import check_output
-from breakgraph.pool import require_pool
-from breakgraph.writeback import make_writer
+from breakgraph.base import context, runtime, trees
+from breakgraph.recording import rng
+from breakgraph.graphs.capture import BreakableCUDAGraphCapture
+from breakgraph.base.checks import near_miss
+from breakgraph.recording.dispatch import UncapturableOpError, is_random_op_refusal
+from breakgraph.recording.eager import eager_on_graph
+from breakgraph.graphs.graph import BreakableCUDAGraph
+from breakgraph.base.naming import function_name
+from breakgraph.base.options import CaptureOptions, parse_warmup
+from breakgraph.recording.outputs import check_output
+from breakgraph.base.pool import require_pool
+from breakgraph.recording.writeback import make_writer
 
 
 class GraphedCallable:
@@ -35,7 +36,7 @@ class GraphedCallable:
     ``BREAKGRAPH_DISABLE=1``, ``graph`` is None: ``fn`` runs once here and at
     every replay, and each result's tensors are written into that first output,
     so the contract is the same (one output object, its tensors refreshed in
-    place). What else an output may hold is :mod:`breakgraph.outputs`'s rule,
+    place). What else an output may hold is :mod:`breakgraph.recording.outputs`'s rule,
     checked at capture.
 
     Arguments:

@@ -86,7 +86,7 @@ def cuda_available() -> bool:
     return cuda_problem() is None
 
 
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 # torch's decorator forms of no_grad and inference_mode, which breakgraph's entry points wear:
 # a warning passes through their wrapper to the user's line.
 _TORCH_DECORATORS = torch.utils._contextlib.__file__

@@ -22,7 +22,7 @@ from typing import Callable, Protocol
 import torch
 
 from breakgraph_bindings import CaptureInfo, CaptureStatus
-from breakgraph import context
+from breakgraph.base import context
 
 
 class CaptureInfoProvider(Protocol):

@@ -10,11 +10,11 @@ from typing import Callable, Hashable
 import torch
 
 import breakgraph_bindings as bindings
-from breakgraph import runtime
-from breakgraph.estimate import MemoryEstimate, Probe, extrapolate, probe_sizes
-from breakgraph.pool import OwnedPool, PoolUsage, new_pool, pool_bytes
-from breakgraph.policy import CapturePolicy, KeySize
-from breakgraph.sharing import Refusal, share_executables
+from breakgraph.base import runtime
+from breakgraph.base.estimate import MemoryEstimate, Probe, extrapolate, probe_sizes
+from breakgraph.base.pool import OwnedPool, PoolUsage, new_pool, pool_bytes
+from breakgraph.serving.policy import CapturePolicy, KeySize
+from breakgraph.graphs.sharing import Refusal, share_executables
 
 
 class Released(enum.Enum):
@@ -29,7 +29,7 @@ class RunnerMemory:
 
     All sizes capture into one pool, largest first, so smaller sizes reuse
     the larger ones' activations. ``share`` keeps one executable per segment
-    and topology for all sizes of a key (:mod:`breakgraph.sharing`).
+    and topology for all sizes of a key (:mod:`breakgraph.graphs.sharing`).
     """
 
     def __init__(self, policy: CapturePolicy, keys: list[Hashable], share: bool):

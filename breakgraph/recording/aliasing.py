@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from breakgraph import trees
+from breakgraph.base import trees
 
 
 def alias_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Each check names the option, the value given and what is allowed, so that
 ``lazy="no"`` is refused rather than read as true. The options themselves,
-and which check each one gets, live in :mod:`breakgraph.options`.
+and which check each one gets, live in :mod:`breakgraph.base.options`.
 """
 
 from __future__ import annotations

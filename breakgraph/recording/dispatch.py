@@ -2,7 +2,7 @@
 
 The op watch is a ``TorchDispatchMode``, active only while a segment
 records: it hands every op tagged ``nondeterministic_seeded`` to the capture
-(which records it in a segment torch captures, :mod:`breakgraph.rng`, or
+(which records it in a segment torch captures, :mod:`breakgraph.recording.rng`, or
 makes it an eager break with ``random_ops="break"``) and names host-sync ops
 before they reach CUDA. It costs a Python call per op at capture, so it is on
 only where random ops may come: ``random_ops="error"`` and callables whose
@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import breakgraph_bindings as bindings
-from breakgraph.context import ActiveCapture
+from breakgraph.base.context import ActiveCapture
 
 _aten = torch.ops.aten
 
@@ -57,7 +57,7 @@ REMEDY = (
 
 # Frames in these folders are not the user's line: torch, the bindings, the engine.
 _LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(module.__file__)) + os.sep for module in (torch, bindings)) + (
-    os.path.dirname(os.path.abspath(__file__)) + os.sep,
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
 )
 
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, Hashable, Mapping, TypeVar
 import torch
 
 from breakgraph_bindings import CaptureMode
-from breakgraph.checks import (
+from breakgraph.base.checks import (
     refuse_unknown,
     require_bool,
     require_callable,

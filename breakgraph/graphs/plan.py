@@ -6,7 +6,7 @@ launch and between a break and the next launch. So replay does not loop over
 step objects; the plan writes its steps out as the body of one function, once
 per stream, with every handle bound, as ``dataclasses`` and ``torch.fx``
 generate theirs. Each segment writes its own lines (:meth:`Segment.emit
-<breakgraph.segments.Segment.emit>`): a graph launch is one C-level call and a
+<breakgraph.recording.segments.Segment.emit>`): a graph launch is one C-level call and a
 status check; a break is its function called on its capture-time arguments,
 then its result written back, or, when the result holds no buffers (None, a
 number), checked by its type in line. Debug mode and the profile run the same
@@ -28,8 +28,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 import breakgraph_bindings as bindings
-from breakgraph import debug as debug_mode
-from breakgraph.segments import Segment
+from breakgraph.graphs import debug as debug_mode
+from breakgraph.recording.segments import Segment
 
 
 class ReplayPlan:
@@ -38,7 +38,7 @@ class ReplayPlan:
     ``by_stream`` maps a raw stream (``cudaStream_t`` as an int) to the replay
     function :meth:`compile` wrote for it; replay looks its stream up there.
     In ``debug`` mode every step is one of :meth:`step_functions`, checked by
-    debug mode (:func:`breakgraph.debug.checked`), ``check_finite()`` saying at
+    debug mode (:func:`breakgraph.graphs.debug.checked`), ``check_finite()`` saying at
     each replay whether break outputs are checked for NaN and Inf.
     """
 
@@ -103,7 +103,7 @@ def _define(plan: ReplayPlan, what: str, bodies: dict[str, list[str]], namespace
 
 class _Source:
     """The body of a function being written, and the names it binds: what segments write
-    their replay into (:class:`breakgraph.segments.ReplaySource`). Nothing bound refers back
+    their replay into (:class:`breakgraph.recording.segments.ReplaySource`). Nothing bound refers back
     to the plan, which holds the function: no cycle (see :func:`_define`)."""
 
     def __init__(self, stream: bindings.StreamHandle, namespace: dict[str, Any]):

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from breakgraph import trees
+from breakgraph.base import trees
 
 
 class WritebackError(RuntimeError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 from typing import Callable, Hashable, Sequence
 
-from breakgraph.checks import require_callable
+from breakgraph.base.checks import require_callable
 
 
 def default_capture_sizes(max_size: int) -> list[int]:

@@ -19,7 +19,7 @@ from typing import Callable, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
-from breakgraph.ranks import CaptureAgreement, PeerBarrier, peers_lost
+from breakgraph.base.ranks import CaptureAgreement, PeerBarrier, peers_lost
 
 T = TypeVar("T")
 

@@ -14,8 +14,8 @@ from typing import Callable, Sequence
 import torch
 
 import breakgraph_bindings as bindings
-from breakgraph import trees
-from breakgraph.segments import Segment
+from breakgraph.base import trees
+from breakgraph.recording.segments import Segment
 
 
 class SegmentError(RuntimeError):
@@ -30,7 +30,7 @@ def checked(
     segments: Sequence[Segment], steps: Sequence[Step], stream: bindings.StreamHandle, check_finite: Callable[[], bool]
 ) -> list[Step]:
     """``steps`` (each segment's replay on ``stream``, :meth:`ReplayPlan.step_functions
-    <breakgraph.plan.ReplayPlan.step_functions>`), each wrapped with debug mode's checks,
+    <breakgraph.graphs.plan.ReplayPlan.step_functions>`), each wrapped with debug mode's checks,
     behind a first step that checks every break's arguments before anything is launched;
     ``check_finite()`` says, at each replay, whether break outputs are checked for NaN and Inf too."""
 
