@@ -266,8 +266,9 @@ def test_a_failed_launch_in_debug_mode_names_its_segment(monkeypatch):
     log = Log()
     synchronize_logged(monkeypatch, log)
     plan = ReplayPlan([FakeGraphSegment(0, log, CUDA_ERROR_INVALID_VALUE), eager_segment(1, log)], debug=True)
-    with pytest.raises(bg.SegmentError, match=r"segment 0 \(graph: graph 0\) failed: cudaGraphLaunch"):
+    with pytest.raises(bg.SegmentError, match=r"segment 0 \(graph: graph 0\) failed: cudaGraphLaunch") as raised:
         replay(plan)
+    assert str(raised.value).count("graph 0") == 1, raised.value
     assert [name for name, _ in log] == ["graph 0"]
 
 

@@ -46,8 +46,8 @@ def _checked(segment: Segment, step: Step, stream: bindings.StreamHandle, check_
         try:
             step()
             bindings.synchronize(stream)
-        except bindings.CudaError as error:
-            raise SegmentError(f"{segment.describe()} failed: {error}") from error
+        except bindings.CudaError as error:  # a failed launch names its segment already: once is enough
+            raise SegmentError(f"{segment.describe()} failed: {str(error).replace(f' ({segment.describe()})', '')}") from error
         except RuntimeError as error:
             if "CUDA error" not in str(error):
                 raise
