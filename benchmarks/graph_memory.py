@@ -104,18 +104,23 @@ class ModelMeasurement:
             }
         )
 
+    def capture_checked(self, runner: bg.GraphRunner, free_before: int) -> tuple[float, int, float]:
+        """Capture every size: the seconds it took, the device memory taken since ``free_before``
+        (``cudaMemGetInfo``), and the largest difference of its replays from eager."""
+        started = time.perf_counter()
+        runner.capture()
+        seconds = time.perf_counter() - started
+        taken = free_before - free_after_sync()
+        return seconds, taken, check_sizes(self.inputs, runner_replay(self.inputs, runner), self.sizes)
+
     def capture_own(self) -> tuple[bg.GraphRunner, dict]:
         """One executable per segment per size: the estimate first, then the rest of the sizes;
         the runner and its ``memory()``."""
-        inputs, sizes = self.inputs, self.sizes
+        sizes = self.sizes
         free_start = free_after_sync()
         runner = self.make_runner()
         estimate = runner.estimate_memory()
-        started = time.perf_counter()
-        runner.capture()
-        capture_s = time.perf_counter() - started
-        device_taken = free_start - free_after_sync()
-        worst = check_sizes(inputs, runner_replay(inputs, runner), sizes)
+        capture_s, device_taken, worst = self.capture_checked(runner, free_start)
         measured = runner.memory()
         error = estimate.total_bytes / measured["total_bytes"] - 1
         self.row("estimate_memory(), 5 probes", estimate.pool_bytes, estimate.executable_bytes, estimate.total_bytes,
@@ -176,14 +181,8 @@ class ModelMeasurement:
 
     def capture_shared(self) -> tuple[bg.GraphRunner, dict, dict]:
         """Executables shared across sizes: the runner, its ``memory()``, and what it shared and refused."""
-        inputs, sizes = self.inputs, self.sizes
         shared = self.make_runner(share_executables=True)
-        free_before = free_after_sync()
-        started = time.perf_counter()
-        shared.capture()
-        shared_capture_s = time.perf_counter() - started
-        shared_taken = free_before - free_after_sync()
-        worst_shared = check_sizes(inputs, runner_replay(inputs, shared), sizes)
+        shared_capture_s, shared_taken, worst_shared = self.capture_checked(shared, free_after_sync())
         shared_memory = shared.memory()
         refusals = [refusal for refused in shared.refusals.values() for refusal in refused]
         reasons = sorted({reason for refusal in refusals for reason in refusal.reasons})
