@@ -1,6 +1,8 @@
 """State-machine tests of the fork/join tracker against a simulated CUDA capture (no GPU)."""
 
+import gc
 import itertools
+import weakref
 
 import pytest
 import torch
@@ -190,6 +192,29 @@ def test_joined_stream_without_new_work_is_not_joined_again():
     tracker.stream_waited(main, side)
     tracker.segment_ending()
     assert joins == []
+
+
+def test_events_recorded_into_segments_live_until_the_capture_ends():
+    """The user drops an event a segment recorded while a later segment captures on its stream:
+    the tracker holds it until the whole capture has ended. Events recorded outside it are not held."""
+    main, outside = FakeStream(1), FakeStream(9)
+    sim = SimulatedCapture(main)
+    tracker = ForkJoinTracker(main, sim.info, join=lambda c, s: sim.wait_stream(c, s), fork=lambda s, c: sim.wait_stream(s, c))
+    tracker.segment_begun()
+    recorded, not_captured = FakeEvent(), FakeEvent()
+    tracker.event_recorded(recorded, main)
+    tracker.event_recorded(not_captured, outside)
+    kept, gone = weakref.ref(recorded), weakref.ref(not_captured)
+    tracker.segment_ending()
+    sim.start()
+    tracker.segment_begun()
+    del recorded, not_captured  # dropped by the user while the next segment captures
+    gc.collect()
+    assert kept() is not None and gone() is None
+    tracker.segment_ending()
+    tracker.capture_ended()
+    gc.collect()
+    assert kept() is None
 
 
 def test_a_hook_entered_before_the_last_capture_ends_still_finds_torchs_method():

@@ -245,6 +245,7 @@ class Recorder:
             scope.enter_context(torch.autograd.set_multithreading_enabled(False))
             streams.install_hooks()
             scope.callback(streams.remove_hooks)
+            scope.callback(self.tracker.capture_ended)  # after the last segment's capture has ended
             scope.callback(context.deactivate, context.activate(self))
             if watch:
                 scope.enter_context(CaptureDispatchMode(self))

@@ -64,6 +64,7 @@ class ForkJoinTracker:
         self._joined_at: dict[int, tuple[int, ...]] = {}  # dependencies when last joined
         self._carry: list[torch.cuda.Stream] = []  # open at the last segment end: fork again
         self._recorded_on: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._held_events: dict[int, torch.cuda.Event] = {}  # recorded into a segment: kept to the capture's end
         self.segment_streams: list[tuple[int, ...]] = []  # per ended segment: side streams that took part
 
     # -- segment boundaries ---------------------------------------------------
@@ -134,8 +135,16 @@ class ForkJoinTracker:
         info = self._capture_info(stream)
         if info.status is CaptureStatus.ACTIVE and info.capture_id == self.capture_id:
             self._recorded_on[event] = (stream, self._segment_number, info)
+            self._held_events[id(event)] = event
         else:
             self._recorded_on.pop(event, None)
+
+    def capture_ended(self) -> None:
+        """Let go of the events recorded into the capture's segments, now that none captures.
+        Held until here, no such event is destroyed while a later segment captures on its
+        stream, wherever the user's code drops it (a break included): ``torch.cuda.graph``'s
+        users destroy an event recorded in a capture only once no capture of its stream runs."""
+        self._held_events.clear()
 
     def recorded_in_earlier_segment(self, event: torch.cuda.Event) -> bool:
         """The event belongs to a capture that has ended: CUDA cannot wait on it
