@@ -16,7 +16,6 @@ calling thread they call straight through to torch's methods.
 from __future__ import annotations
 
 import threading
-import weakref
 from typing import Callable, Protocol
 
 import torch
@@ -63,8 +62,9 @@ class ForkJoinTracker:
         self._open: set[int] = set()  # forked, with work not yet joined
         self._joined_at: dict[int, tuple[int, ...]] = {}  # dependencies when last joined
         self._carry: list[torch.cuda.Stream] = []  # open at the last segment end: fork again
-        self._recorded_on: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._held_events: dict[int, torch.cuda.Event] = {}  # recorded into a segment: kept to the capture's end
+        # What each event recorded into a segment stands for (None: re-recorded outside the
+        # capture since); the events are held to the capture's end (:meth:`capture_ended`).
+        self._recorded_on: dict[torch.cuda.Event, tuple[torch.cuda.Stream, int, CaptureInfo] | None] = {}
         self.segment_streams: list[tuple[int, ...]] = []  # per ended segment: side streams that took part
 
     # -- segment boundaries ---------------------------------------------------
@@ -135,16 +135,15 @@ class ForkJoinTracker:
         info = self._capture_info(stream)
         if info.status is CaptureStatus.ACTIVE and info.capture_id == self.capture_id:
             self._recorded_on[event] = (stream, self._segment_number, info)
-            self._held_events[id(event)] = event
-        else:
-            self._recorded_on.pop(event, None)
+        elif event in self._recorded_on:
+            self._recorded_on[event] = None
 
     def capture_ended(self) -> None:
         """Let go of the events recorded into the capture's segments, now that none captures.
         Held until here, no such event is destroyed while a later segment captures on its
         stream, wherever the user's code drops it (a break included): ``torch.cuda.graph``'s
         users destroy an event recorded in a capture only once no capture of its stream runs."""
-        self._held_events.clear()
+        self._recorded_on.clear()
 
     def recorded_in_earlier_segment(self, event: torch.cuda.Event) -> bool:
         """The event belongs to a capture that has ended: CUDA cannot wait on it
