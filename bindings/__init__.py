@@ -10,7 +10,7 @@ other project uses, so no ``bindings`` package or folder elsewhere shadows it.
 """
 
 from .errors import CudaError, check, clear_last_error
-from .streams import HasCudaStream, StreamHandle, StreamLike, stream_handle, synchronize
+from .streams import HasCudaStream, StreamHandle, StreamLike, new_stream, stream_handle, synchronize
 from .capture import (
     CaptureInfo,
     CaptureMode,
@@ -24,11 +24,22 @@ from .capture import (
 )
 from .graph import Graph, GraphExec, GraphLaunch, GraphUpdateRefused, LaunchStatus, device_count, launch_function, probe_devices
 from .memory import free_device_memory, graph_allocation_bytes, trim_graph_memory
+from .conditional import (
+    ConditionalKind,
+    ConditionalNode,
+    add_conditional,
+    begin_body_capture,
+    end_body_capture,
+    require_conditional_support,
+    set_conditional,
+)
 
 __all__ = [
     "CaptureInfo",
     "CaptureMode",
     "CaptureStatus",
+    "ConditionalKind",
+    "ConditionalNode",
     "CudaError",
     "Graph",
     "GraphExec",
@@ -38,6 +49,8 @@ __all__ = [
     "LaunchStatus",
     "StreamHandle",
     "StreamLike",
+    "add_conditional",
+    "begin_body_capture",
     "begin_capture",
     "capture_info",
     "capture_status",
@@ -45,12 +58,16 @@ __all__ = [
     "clear_last_error",
     "device_count",
     "discard_capture",
+    "end_body_capture",
     "end_capture",
     "exchange_capture_mode",
     "free_device_memory",
     "graph_allocation_bytes",
     "launch_function",
+    "new_stream",
     "probe_devices",
+    "require_conditional_support",
+    "set_conditional",
     "stream_handle",
     "synchronize",
     "trim_graph_memory",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from cuda.bindings import driver
 from cuda.bindings import runtime as cudart
 
 _SUCCESS = cudart.cudaError_t.cudaSuccess
@@ -14,10 +15,10 @@ class CudaError(RuntimeError):
     (``cudaErrorStreamCaptureUnsupported``) and ``text`` CUDA's description.
     """
 
-    def __init__(self, code: int, call: str = "", context: str = ""):
+    def __init__(self, code: int, call: str = "", context: str = "", *, name: str | None = None, text: str | None = None):
         self.code = int(code)
-        self.name = _error_name(code)
-        self.text = _error_text(code)
+        self.name = name or _error_name(code)
+        self.text = text or _error_text(code)
         self.call = call
         where = f"{call}: " if call else ""
         extra = f" ({context})" if context else ""
@@ -63,3 +64,15 @@ def clear_last_error() -> None:
         cudart.cudaGetLastError()
     except Exception:  # no driver: nothing to clear
         pass
+
+
+def check_driver(result, call: str = ""):
+    """:func:`check` for a driver API call (``cuda.bindings.driver``), whose codes and names
+    are the driver's (``CUDA_ERROR_INVALID_VALUE``)."""
+    err = result[0]
+    if err != driver.CUresult.CUDA_SUCCESS:
+        clear_last_error()
+        _, name = driver.cuGetErrorName(err)
+        _, text = driver.cuGetErrorString(err)
+        raise CudaError(err, call, name=(name or b"").decode() or None, text=(text or b"").decode() or None)
+    return result[1] if len(result) == 2 else None

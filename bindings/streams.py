@@ -47,3 +47,10 @@ def stream_handle(stream: StreamLike) -> StreamHandle:
 def synchronize(stream: StreamLike) -> None:
     """Wait for all work on ``stream`` (``cudaStreamSynchronize``); errors name the CUDA error."""
     check(cudart.cudaStreamSynchronize(stream_handle(stream)), "cudaStreamSynchronize")
+
+
+def new_stream() -> int:
+    """A new non-blocking stream's raw handle (``cudaStreamCreateWithFlags``), outside
+    torch's pool of 32 per device, which hands streams out again: for a stream that must
+    never be one a capture already uses."""
+    return int(check(cudart.cudaStreamCreateWithFlags(cudart.cudaStreamNonBlocking), "cudaStreamCreateWithFlags"))
