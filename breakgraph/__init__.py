@@ -13,6 +13,7 @@ from breakgraph.graphs.capture import BreakableCUDAGraphCapture
 from breakgraph.base.context import is_capturing
 from breakgraph.graphs.debug import SegmentError
 from breakgraph.recording.dispatch import CaptureInvalidatedError, UncapturableOpError
+from breakgraph.recording.conditional import cond, while_loop
 from breakgraph.recording.eager import break_graph, eager_on_graph
 from breakgraph.graphs.graph import BreakableCUDAGraph
 from breakgraph.graphs.graphed import GraphedCallable, graphed
@@ -46,6 +47,7 @@ __all__ = [
     "WritebackError",
     "agreed_batch_size",
     "break_graph",
+    "cond",
     "default_capture_sizes",
     "eager_on_graph",
     "format_table",
@@ -53,4 +55,5 @@ __all__ = [
     "is_capturing",
     "pool_bytes",
     "share_executables",
+    "while_loop",
 ]

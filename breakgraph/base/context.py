@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from contextvars import ContextVar, Token
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, ContextManager, Optional, Protocol
 
 
 class ActiveCapture(Protocol):
@@ -40,6 +40,21 @@ class ActiveCapture(Protocol):
     def random_op(self, op: Callable, args: tuple, kwargs: dict) -> Any:
         """Run a random op the op watch met inside a segment: in a segment torch records,
         or as an eager break."""
+
+    branches_on_device: bool
+    """Whether ``cond`` and ``while_loop`` become conditional nodes (False: debug mode runs
+    each as an eager break)."""
+
+    body_depth: int
+    """How many conditional bodies are being captured, one inside the other."""
+
+    def conditional_node(self, what: str) -> None:
+        """A conditional node goes into the open segment: make it one recorded through
+        cuda.bindings (a segment torch records, after a random op, ends at ``what`` and one
+        begins), and note that it holds one."""
+
+    def inside_body(self) -> ContextManager:
+        """While a conditional body is captured: breaks are refused (a body is one graph)."""
 
 
 _active: ContextVar[Optional[ActiveCapture]] = ContextVar("breakgraph_capture", default=None)

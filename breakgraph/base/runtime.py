@@ -185,6 +185,29 @@ def _held_by_another_thread(stream: torch.cuda.Stream) -> bool:
     return _claims.get(stream.cuda_stream, (threading.get_ident(),))[0] != threading.get_ident()
 
 
+_body_streams = threading.local()
+
+
+def body_stream(device: torch.device, depth: int) -> torch.cuda.Stream:
+    """This thread's stream for capturing conditional bodies ``depth`` levels deep on
+    ``device``: one per depth, since a body's capture stays open while a body inside it
+    is captured. Made outside torch's pool, which would hand a capturing stream out
+    again, and kept for the thread's life: the allocator's blocks remember their stream."""
+    kept = _body_streams.__dict__.setdefault("by_device", {}).setdefault(device.index, [])
+    while len(kept) <= depth:
+        import breakgraph_bindings as bindings
+
+        with torch.cuda.device(device):
+            kept.append(torch.cuda.ExternalStream(bindings.new_stream(), device=device))
+    return kept[depth]
+
+
+def abandon_body_stream(device: torch.device, depth: int) -> None:
+    """Never use the body stream at ``depth`` again: its capture was invalidated, and ending
+    it would crash the driver (NVBUG 6805256), so it stays open on a stream nobody uses."""
+    _body_streams.by_device[device.index][depth:] = []
+
+
 @contextlib.contextmanager
 def on_stream(stream: torch.cuda.Stream):
     """``with torch.cuda.stream(stream)`` without building torch's stream objects (a

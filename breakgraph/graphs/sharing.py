@@ -26,8 +26,10 @@ from breakgraph.recording.segments import GraphSegment, SharedExecutable
 class Refusal:
     """A segment that keeps its own executable: ``graph`` (its position in the list given
     to :func:`share_executables`), the segment's index, and why (``reasons``): CUDA's
-    update results (each once) where every executable of its topology refused it, or
-    "different segments and breaks" where its graph's structure differs from the first graph's."""
+    update results (each once) where every executable of its topology refused it,
+    "different segments and breaks" where its graph's structure differs from the first graph's,
+    or "conditional nodes" where it holds ``bg.cond`` or ``bg.while_loop`` nodes (each graph's
+    node reads a handle of its own graph, which an update cannot carry over)."""
 
     graph: int
     segment: int
@@ -70,6 +72,9 @@ def share_executables(graphs: Sequence[BreakableCUDAGraph]) -> list[Refusal]:
                 continue  # an eager break, a segment torch replays, or one that launches another's executable already
             if not same_structure:
                 refusals.append(Refusal(position, segment.index, ("different segments and breaks",)))
+                continue
+            if segment.conditional_nodes:
+                refusals.append(Refusal(position, segment.index, ("conditional nodes",)))
                 continue
             if segment.shared is None and _join(segment, groups[segment.index], refusals, position):
                 continue

@@ -94,7 +94,7 @@ def is_random_op_refusal(error: BaseException | None) -> bool:
     return isinstance(error, RuntimeError) and bool(_RANDOM_REFUSAL.search(str(error)))
 
 
-def _where(error: BaseException) -> str:
+def user_line(error: BaseException) -> str:
     """The user's line that issued the refused op: the innermost frame outside torch and breakgraph."""
     for frame in reversed(traceback.extract_tb(error.__traceback__)):
         if not frame.filename.startswith(_LIBRARY_DIRS) and "<frozen" not in frame.filename:
@@ -128,7 +128,7 @@ def clearer_error(error: BaseException, random_ops: str) -> RuntimeError | None:
                 "generators= to the capture, graphed or GraphRunner"
             )
         return UncapturableOpError(
-            f"the random op at {_where(error)} cannot be captured with random_ops={random_ops!r} "
+            f"the random op at {user_line(error)} cannot be captured with random_ops={random_ops!r} "
             f"({error}). {fix}, or move it into an @breakgraph.eager_on_graph function."
         )
     if is_capture_invalidated(error):
@@ -143,38 +143,42 @@ def clearer_error(error: BaseException, random_ops: str) -> RuntimeError | None:
         )
     if is_capture_violation(error):
         return uncapturable(
-            f"{_where(error)} synchronizes with the host or calls a CUDA function that stream capture "
+            f"{user_line(error)} synchronizes with the host or calls a CUDA function that stream capture "
             "forbids; it",
             error,
         )
     return None
 
 
-def _touches_cuda(args, kwargs) -> bool:
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor) and value.is_cuda:
-            return True
-    return False
+class OpKind:
+    """What the op watch makes of an op: :func:`op_kind`."""
 
-
-class _Kind:
     PLAIN, RANDOM, HOST_SYNC = range(3)
 
 
 _kinds: dict = {}
 
 
-def _kind(func) -> int:
+def op_kind(func) -> int:
+    """Whether ``func`` draws random numbers, synchronizes with the host (on CUDA tensors), or neither."""
     kind = _kinds.get(func)
     if kind is None:
         if func in _HOST_SYNC_OPS:
-            kind = _Kind.HOST_SYNC
+            kind = OpKind.HOST_SYNC
         elif torch.Tag.nondeterministic_seeded in func.tags:
-            kind = _Kind.RANDOM
+            kind = OpKind.RANDOM
         else:
-            kind = _Kind.PLAIN
+            kind = OpKind.PLAIN
         _kinds[func] = kind
     return kind
+
+
+def touches_cuda(args, kwargs) -> bool:
+    """Whether any tensor argument is on a GPU (a host-sync op on CPU tensors syncs nothing)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.is_cuda:
+            return True
+    return False
 
 
 class CaptureDispatchMode(TorchDispatchMode):
@@ -194,10 +198,10 @@ class CaptureDispatchMode(TorchDispatchMode):
         capture = self.capture
         if not capture.segment_open:  # inside an eager break: plain eager semantics
             return func(*args, **kwargs)
-        kind = _kind(func)
-        if kind == _Kind.RANDOM:
+        kind = op_kind(func)
+        if kind == OpKind.RANDOM:
             return capture.random_op(func, args, kwargs)
-        if kind == _Kind.HOST_SYNC and _touches_cuda(args, kwargs):
+        if kind == OpKind.HOST_SYNC and touches_cuda(args, kwargs):
             raise uncapturable(f"{func} (it synchronizes the GPU with the host)")
         try:
             return func(*args, **kwargs)
@@ -209,6 +213,12 @@ class CaptureDispatchMode(TorchDispatchMode):
 
 # Ops of torch.distributed that issue no collective of their own: the end of one, and a wrapper.
 _NOT_COLLECTIVES = {"_c10d_functional::wait_tensor", "_c10d_functional::_wrap_tensor_autograd"}
+
+
+def is_collective(func) -> bool:
+    """Whether the op ``func`` issues a collective of torch.distributed."""
+    name = func._schema.name
+    return name.startswith(("c10d::", "_c10d_functional::")) and name not in _NOT_COLLECTIVES
 
 
 class BarrierBeforeCollectives(TorchDispatchMode):
@@ -227,8 +237,7 @@ class BarrierBeforeCollectives(TorchDispatchMode):
         self.collectives = 0  # met so far
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func._schema.name
-        if name.startswith(("c10d::", "_c10d_functional::")) and name not in _NOT_COLLECTIVES:
+        if is_collective(func):
             self.collectives += 1
             self.barrier()
         return func(*args, **(kwargs or {}))

@@ -58,6 +58,9 @@ class Recorder:
         self.peers = self.barrier if isinstance(self.barrier, PeerBarrier) else None  # a runner's ranks
         self.record_addresses = record_addresses
         self.torch_capture: rng.TorchCapture | None = None  # the open segment, when torch records it
+        self.branches_on_device = not record_addresses  # debug mode runs cond and while_loop as breaks
+        self.body_depth = 0
+        self._conditional_nodes = 0  # in the open segment, outside bodies
         self.segments: list[Segment] = []
         self.segment_open = False
         self.tracker = streams.ForkJoinTracker(
@@ -106,7 +109,8 @@ class Recorder:
         else:
             graph = bindings.end_capture(self.stream)
             self.segment_open = False
-            self.segments.append(GraphSegment(index, name, graph, None, side_streams=side_streams))
+            conditional_nodes, self._conditional_nodes = self._conditional_nodes, 0
+            self.segments.append(GraphSegment(index, name, graph, None, side_streams=side_streams, conditional_nodes=conditional_nodes))
 
     def _instantiated(self) -> list[Segment]:
         """The segments in replay order, numbered again: graphs that captured nothing are
@@ -141,6 +145,12 @@ class Recorder:
         it, begin the next segment. In a full-graph capture, record ``inline`` in the open
         segment instead."""
         name = name or function_name(function)
+        if self.body_depth:
+            raise UncapturableOpError(
+                f"{name}() is an eager break inside the body of a breakgraph.cond or while_loop, which the GPU "
+                "runs as one graph, with no stop for the host: move the break out of the branch, or make the "
+                "whole cond or while_loop an eager break (call it from an @breakgraph.eager_on_graph function)."
+            )
         if self.inline:
             return self._run_inline(name, function, inline, args, kwargs)
         call = f"{name}()"
@@ -210,6 +220,25 @@ class Recorder:
             self.route_to_pool()
             raise
         self._segment_begun()
+
+    def conditional_node(self, what: str) -> None:
+        """A conditional node goes into the open segment. They go only into segments recorded
+        through cuda.bindings: one torch records (it met a random op) ends at ``what``, and
+        such a segment begins."""
+        if self.torch_capture is not None:
+            self.end_segment(following=what)
+            self._previous = what
+            self.begin_segment()
+        self._conditional_nodes += self.body_depth == 0
+
+    @contextlib.contextmanager
+    def inside_body(self):
+        """While a conditional body is captured, :meth:`run_break` refuses breaks."""
+        self.body_depth += 1
+        try:
+            yield
+        finally:
+            self.body_depth -= 1
 
     def _run_inline(self, name: str, function: Callable, inline, args: tuple, kwargs: dict) -> Any:
         fix = "capture with breaks='eager' (the breakable mode) for this key"

@@ -197,6 +197,7 @@ class GraphSegment(_CapturedGraph):
     None when its capture did not measure)."""
 
     executable: GraphExec | None
+    conditional_nodes: int = 0  # its executable is its own: an update cannot take another graph's
 
     def emit(self, source: ReplaySource) -> None:
         launch = source.bind("launch", self.launch_on(source.stream))
@@ -267,8 +268,9 @@ class TorchGraphSegment(_CapturedGraph):
 
     def take_in(self, front: Segment) -> bool:
         """Takes in a segment captured through cuda.bindings (one launch where there were
-        two), where CUDA accepts its graph as part of another."""
-        if not isinstance(front, GraphSegment):
+        two), where CUDA accepts its graph as part of another: not one with conditional nodes,
+        whose handles belong to their own graph."""
+        if not isinstance(front, GraphSegment) or front.conditional_nodes:
             return False
         try:
             self.graph.prepend(front.graph)

@@ -1,0 +1,331 @@
+"""Branches and loops the GPU decides: :func:`cond` and :func:`while_loop`.
+
+Inside a breakable capture each call becomes one CUDA conditional node in the
+segment being recorded: a one-thread kernel reads the predicate on the device,
+and the node runs a branch's body graph, or the loop's body again, with no host
+sync and no break. Everywhere else (outside a capture, without a GPU, inside an
+eager break, and in debug mode, where the whole call is one eager break) they
+run as Python ``if`` and ``while``, so model code that uses them runs anywhere.
+
+A body is captured on a stream of its own into the node's body graph, with an
+op watch that refuses what a body graph cannot hold (a random op, a host sync,
+a collective; the recorder refuses eager breaks) before CUDA sees it: a body
+capture in which CUDA refused an operation cannot be ended without crashing
+the driver (NVBUG 6805256), so its stream is abandoned, still capturing, and
+the error says to restart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import breakgraph_bindings as bindings
+from breakgraph.base import context, runtime, trees
+from breakgraph.recording.dispatch import OpKind, UncapturableOpError, is_capture_violation, is_collective, op_kind, touches_cuda, user_line
+
+_IF_ELSE, _WHILE = bindings.ConditionalKind.IF_ELSE, bindings.ConditionalKind.WHILE
+
+_aten = torch.ops.aten
+# Indexing with a boolean mask counts the mask's True values on the host (nonzero) inside
+# the kernel, where no op watch sees it.
+_MASKABLE = {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default, _aten._index_put_impl_.default}
+
+
+def _syncs_on_host(func, args, kwargs) -> bool:
+    if op_kind(func) == OpKind.HOST_SYNC:
+        return touches_cuda(args, kwargs)
+    if func in _MASKABLE and len(args) > 1 and touches_cuda(args, kwargs):
+        return any(isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8) for index in args[1])
+    return False
+
+
+def cond(pred: torch.Tensor, true_fn: Callable, false_fn: Callable, *operands: Any) -> Any:
+    """``true_fn(*operands)`` if ``pred`` is True, else ``false_fn(*operands)``, decided
+    on the GPU inside a capture.
+
+    Inside a breakable capture both branches are captured once, as the two bodies of
+    one conditional node in the current segment; each replay runs the branch that
+    ``pred`` picks on the device, with no host sync and no break. Elsewhere it is a
+    Python ``if``.
+
+    Arguments:
+        pred (Tensor): a one-element ``torch.bool`` tensor; inside a capture, on the
+            capture's GPU.
+        true_fn, false_fn (callable): the branches. Inside a capture both must return
+            the same structure of tensors, with the same shapes and dtypes, and hold
+            only work a CUDA graph body can: no eager breaks, host syncs, random ops
+            or collectives. Their Python runs once, at capture.
+        *operands: passed to the branch.
+
+    Returns:
+        The branch's result. Inside a capture: tensors of the capture's pool that
+        every replay overwrites with the taken branch's values.
+    """
+    _require_functions("cond", true_fn=true_fn, false_fn=false_fn)
+    _require_predicate("cond's pred", pred)
+    capture = context.current()
+    if capture is None or not capture.segment_open:
+        return true_fn(*operands) if bool(pred) else false_fn(*operands)
+    if not capture.branches_on_device:
+        return capture.run_break(_python_if, (pred, true_fn, false_fn, *operands), {}, name="cond")
+    bindings.require_conditional_support(_IF_ELSE, "breakgraph.cond inside a capture")
+    _require_on_capture_device("cond's pred", pred)
+    capture.conditional_node("cond()")
+    node = bindings.add_conditional(torch.cuda.current_stream(), _IF_ELSE, pred.data_ptr())
+    with _body(capture, node.bodies[0], "cond", "true_fn") as watch:
+        result = _own_buffers(true_fn(*operands), watch)
+    taken = trees.take_apart(result, objects=True)
+    with _body(capture, node.bodies[1], "cond", "false_fn"):
+        other = trees.take_apart(false_fn(*operands), objects=True)
+        for into, value in _pairs(taken, other, "cond", "true_fn", "false_fn"):
+            into.copy_(value)
+    return result
+
+
+def while_loop(cond_fn: Callable, body_fn: Callable, carried: tuple) -> tuple:
+    """``while cond_fn(*carried): carried = body_fn(*carried)``, decided on the GPU
+    inside a capture; returns the final ``carried``.
+
+    Inside a breakable capture the loop is one conditional node in the current
+    segment: each replay runs the body as many times as the predicate stays True on
+    the device, with no host sync and no break. Elsewhere it is a Python ``while``.
+
+    Arguments:
+        cond_fn (callable): takes ``*carried`` and returns a one-element ``torch.bool``
+            tensor.
+        body_fn (callable): takes ``*carried`` and returns the next values, a tuple of
+            tensors with the same shapes and dtypes. Inside a capture it holds only work
+            a CUDA graph body can: no eager breaks, host syncs, random ops or
+            collectives. Its Python runs once, at capture.
+        carried (tuple of Tensor): the loop's initial values; never modified.
+
+    Returns:
+        tuple of Tensor: the values when ``cond_fn`` turned False. Inside a capture:
+        tensors of the capture's pool that every replay overwrites.
+    """
+    _require_functions("while_loop", cond_fn=cond_fn, body_fn=body_fn)
+    if not isinstance(carried, tuple) or not all(isinstance(value, torch.Tensor) for value in carried):
+        raise TypeError(f"while_loop(carried=...) takes a tuple of tensors, got {_describe(carried)}")
+    capture = context.current()
+    if capture is None or not capture.segment_open:
+        return _python_while(cond_fn, body_fn, carried)
+    if not capture.branches_on_device:
+        return capture.run_break(_python_while, (cond_fn, body_fn, carried), {}, name="while_loop")
+    bindings.require_conditional_support(_WHILE, "breakgraph.while_loop inside a capture")
+    capture.conditional_node("while_loop()")
+    state = tuple(value.clone() for value in carried)  # the loop's own buffers: carried stays as it was
+    first = cond_fn(*state)
+    _require_predicate("while_loop's cond_fn result", first)
+    _require_on_capture_device("while_loop's cond_fn result", first)
+    node = bindings.add_conditional(torch.cuda.current_stream(), _WHILE, first.data_ptr())
+    with _body(capture, node.bodies[0], "while_loop", "body_fn") as watch:
+        state_tree = trees.take_apart(state, objects=False)
+        new = trees.take_apart(body_fn(*state), objects=False)
+        pairs = list(_pairs(state_tree, new, "while_loop", "carried", "body_fn"))
+        # A value that is not the body's own may be another carried tensor (a swap): copy it first.
+        values = [value if watch.made(value) or value is into else value.clone() for into, value in pairs]
+        for (into, _), value in zip(pairs, values):
+            if value is not into:
+                into.copy_(value)
+        again = cond_fn(*state)
+        _require_predicate("while_loop's cond_fn result", again)
+        bindings.set_conditional(torch.cuda.current_stream(), node.handle, again.data_ptr())
+    return state
+
+
+def _python_if(pred, true_fn, false_fn, *operands):
+    return true_fn(*operands) if bool(pred) else false_fn(*operands)
+
+
+def _python_while(cond_fn, body_fn, carried):
+    while True:
+        go_on = cond_fn(*carried)
+        _require_predicate("while_loop's cond_fn result", go_on)
+        if not bool(go_on):
+            return carried
+        new = body_fn(*carried)
+        if not isinstance(new, tuple) or len(new) != len(carried):
+            raise TypeError(f"while_loop's body_fn must return a tuple of {len(carried)} tensors, like carried; got {_describe(new)}")
+        carried = new
+
+
+def _require_functions(construct: str, **functions) -> None:
+    for name, function in functions.items():
+        if not callable(function):
+            raise TypeError(f"{construct}'s {name} must be a function, got {type(function).__name__}")
+
+
+def _describe(value) -> str:
+    if isinstance(value, tuple):
+        return f"a tuple of {', '.join(type(item).__name__ for item in value) or 'nothing'}"
+    return type(value).__name__
+
+
+def _require_predicate(what: str, pred) -> None:
+    if not isinstance(pred, torch.Tensor) or pred.numel() != 1 or pred.dtype != torch.bool:
+        given = f"a {pred.dtype} tensor of shape {tuple(pred.shape)}" if isinstance(pred, torch.Tensor) else type(pred).__name__
+        raise TypeError(
+            f"{what} must be a one-element torch.bool tensor, got {given}: compare to make one "
+            "(loss.isfinite().all(), (tokens == eos).all()), and keep it on the GPU inside a capture"
+        )
+
+
+def _require_on_capture_device(what: str, pred: torch.Tensor) -> None:
+    device = torch.cuda.current_stream().device
+    if pred.device != device:
+        raise ValueError(
+            f"{what} is on {pred.device}, but the capture runs on {device}: the GPU reads the predicate at each "
+            f"replay, so it must live there (a CPU value would be frozen into the graph)"
+        )
+
+
+def _own_buffers(result, watch: "_BodyWatch"):
+    """``result`` with every tensor the branch did not make, or that another output shares,
+    cloned in the body: the other branch writes into these buffers, so none may be an
+    operand, a weight or another output."""
+    seen: set[int] = set()
+
+    def own(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage().data_ptr()
+        if watch.made(tensor) and storage not in seen:
+            seen.add(storage)
+            return tensor
+        return tensor.clone()
+
+    return trees.map_tensors(own, result, objects=True)
+
+
+def _pairs(first: trees.Flat, second: trees.Flat, construct: str, first_name: str, second_name: str):
+    """The (first, second) tensor leaves of two values that must match leaf for leaf; a
+    difference in structure, shape, dtype, device or a non-tensor leaf is named."""
+    if first.spec != second.spec:
+        raise TypeError(
+            f"{construct}: {first_name} and {second_name} must give the same structure, got {first.spec} and {second.spec}"
+        )
+    for index, (a, b) in enumerate(zip(first.leaves, second.leaves)):
+        where = first.path(index, "result")
+        if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor) or (not isinstance(a, torch.Tensor) and a != b):
+            raise TypeError(f"{construct}: {where} is {a!r} from {first_name} but {b!r} from {second_name}")
+        if not isinstance(a, torch.Tensor):
+            continue
+        for attribute in ("shape", "dtype", "device"):
+            if getattr(a, attribute) != getattr(b, attribute):
+                raise TypeError(
+                    f"{construct}: {where} has {attribute} {getattr(a, attribute)} from {first_name} but "
+                    f"{getattr(b, attribute)} from {second_name}; both must give the same"
+                )
+        if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+            raise TypeError(
+                f"{construct} does not differentiate its branches ({where} requires grad): run it under "
+                "torch.no_grad(), or make the whole call an eager break"
+            )
+        yield a, b
+
+
+def _refusal(what: str, construct: str, function: str, fix: str) -> UncapturableOpError:
+    return UncapturableOpError(
+        f"{what} cannot go inside {construct}'s {function}: the GPU runs it as one graph, with no stop for "
+        f"the host. {fix}, or make the whole {construct} an eager break (call it from an "
+        "@breakgraph.eager_on_graph function)."
+    )
+
+
+class _BodyWatch(TorchDispatchMode):
+    """The op watch of one body's capture: refuses random ops, host syncs and collectives
+    before CUDA sees them, and notes the storages the body's ops made."""
+
+    def __init__(self, construct: str, function: str):
+        super().__init__()
+        self.construct, self.function = construct, function
+        self._made: set[int] = set()
+
+    def made(self, tensor: torch.Tensor) -> bool:
+        """Whether an op of this body made ``tensor``'s storage."""
+        return tensor.untyped_storage().data_ptr() in self._made
+
+    def refuse(self, what: str, fix: str) -> UncapturableOpError:
+        return _refusal(what, self.construct, self.function, fix)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if op_kind(func) == OpKind.RANDOM:
+            raise self.refuse(f"the random op {func}", "Draw the numbers before the call and pass them in")
+        if _syncs_on_host(func, args, kwargs):
+            raise self.refuse(f"{func} (it synchronizes the GPU with the host)", "Keep the value on the GPU")
+        if is_collective(func):
+            raise self.refuse(f"the collective {func}", "Run it before or after the call")
+        result = func(*args, **kwargs)
+        inputs = {value.untyped_storage().data_ptr() for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor)}
+        for value in result if isinstance(result, (tuple, list)) else (result,):
+            if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() not in inputs:
+                self._made.add(value.untyped_storage().data_ptr())
+        return result
+
+
+@contextlib.contextmanager
+def _synchronize_refused(watch: _BodyWatch):
+    """torch's synchronize calls refused on this thread: CUDA would invalidate the body."""
+    thread = threading.get_ident()
+    originals = [(torch.cuda, "synchronize"), (torch.cuda.Stream, "synchronize"), (torch.cuda.Event, "synchronize")]
+    originals = [(owner, name, owner.__dict__[name]) for owner, name in originals]
+
+    def refusing(original, what):
+        def call(*args, **kwargs):
+            if threading.get_ident() == thread:
+                raise watch.refuse(what, "Keep the value on the GPU")
+            return original(*args, **kwargs)
+
+        return call
+
+    for owner, name, original in originals:
+        label = "torch.cuda.synchronize()" if owner is torch.cuda else f"{owner.__name__}.synchronize()"
+        setattr(owner, name, refusing(original, label))
+    try:
+        yield
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+
+
+@contextlib.contextmanager
+def _body(capture, graph: bindings.Graph, construct: str, function: str):
+    """Capture what runs in the block into ``graph``, a conditional node's body, on the body
+    stream of this depth, with the body's op watch; a failure leaves no capture open."""
+    device = torch.cuda.current_stream().device
+    depth = capture.body_depth
+    stream = runtime.body_stream(device, depth)
+    # Relaxed: the capture around it already refuses unsafe calls, and an abandoned body
+    # (see _close_failed) must not refuse them for the rest of the process.
+    bindings.begin_body_capture(stream, graph, "relaxed")
+    watch = _BodyWatch(construct, function)
+    try:
+        with capture.inside_body(), runtime.on_stream(stream), _synchronize_refused(watch), watch:
+            yield watch
+    except BaseException as error:
+        if _close_failed(stream, device, depth, refused_by_cuda=is_capture_violation(error)):
+            raise UncapturableOpError(
+                f"{user_line(error)} made CUDA refuse the capture of {construct}'s {function} ({error}). Keep it "
+                f"out of the branch, or make the whole {construct} an eager break. The driver cannot end a body's "
+                "capture after such a refusal without crashing (NVBUG 6805256), so it was left open on a stream "
+                "breakgraph will not use again, and CUDA may crash or hang at the next call: restart the process."
+            ) from error
+        raise
+    bindings.end_body_capture(stream)
+
+
+def _close_failed(stream: torch.cuda.Stream, device: torch.device, depth: int, refused_by_cuda: bool) -> bool:
+    """End a failed body's capture where that is safe; abandon its stream, and say so, where
+    CUDA refused an operation in it (the capture may still read as active)."""
+    status = bindings.capture_status(stream)
+    if status is bindings.CaptureStatus.INVALIDATED or (refused_by_cuda and status is bindings.CaptureStatus.ACTIVE):
+        runtime.abandon_body_stream(device, depth)
+        return True
+    if status is bindings.CaptureStatus.ACTIVE:
+        with contextlib.suppress(bindings.CudaError):  # the error that failed the body is the one to report
+            bindings.end_body_capture(stream)
+    return False
