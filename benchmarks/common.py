@@ -108,6 +108,16 @@ def time_alternated(variants: dict, rounds: int, seed: int = 0) -> dict:
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+def synchronized(run):
+    """``run`` followed by a device synchronize: one call of a step whose time ends on the GPU."""
+
+    def step():
+        run()
+        torch.cuda.synchronize()
+
+    return step
+
+
 def write_outputs(name: str, rows: list[dict], columns: list[str], out_dir: str | Path, meta: dict, draw) -> Path:
     """Print the table, write ``<name>.json`` and ``<name>.png``; return the output folder.
 
@@ -142,12 +152,13 @@ def plot_lines(ax, rows: list[dict], x: str, y: str) -> None:
 
 
 def plot_grouped_bars(ax, rows: list[dict], group: str, y: str, group_label) -> None:
-    """Bars of ``y`` grouped by ``group`` (one bar per variant in each group)."""
+    """Bars of ``y`` grouped by ``group`` (one bar per variant in each group; none where a
+    group has no row of that variant)."""
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     groups = sorted({r[group] for r in rows})
     width = 0.8 / len(variants)
     for i, variant in enumerate(variants):
-        values = [next(r[y] for r in rows if r["variant"] == variant and r[group] == g) for g in groups]
+        values = [next((r[y] for r in rows if r["variant"] == variant and r[group] == g), float("nan")) for g in groups]
         ax.bar([j + i * width for j in range(len(groups))], values, width, label=variant)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))], [group_label(g) for g in groups])
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import breakgraph as bg
-from benchmarks.common import benchmark_parser, device_meta, plot_grouped_bars, require_gpu, time_alternated, write_outputs
+from benchmarks.common import benchmark_parser, device_meta, plot_grouped_bars, require_gpu, synchronized, time_alternated, write_outputs
 from benchmarks.peers import META, load_meta, meta_ratios
 from breakgraph.base.runtime import run_on_stream
 
@@ -199,7 +199,7 @@ def main(argv=None) -> int:
         captured = Captured(Trainer(hidden, layers, batch, dropout=0.1), stream, meta_library)
         differences = captured.check()
         assert captured.graph.draws_random_numbers and captured.graph.num_eager_breaks == 2
-        us = time_alternated({name: _synchronized(run) for name, run in captured.runs().items()}, rounds)
+        us = time_alternated({name: synchronized(run) for name, run in captured.runs().items()}, rounds)
         label = f"{hidden}x{layers}, batch {batch}"
         for name, value in us.items():
             rows.append(
@@ -220,14 +220,6 @@ def main(argv=None) -> int:
         del captured
     write_outputs("training_step", rows, ["shape", "variant", "step_us", "max_abs_diff_vs_eager"], args.out, device_meta(), draw)
     return 0
-
-
-def _synchronized(run):
-    def step():
-        run()
-        torch.cuda.synchronize()
-
-    return step
 
 
 def draw(ax, rows):

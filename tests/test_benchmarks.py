@@ -44,7 +44,7 @@ def benchmark_runs(tmp_path_factory):
 
 def test_every_benchmark_is_found():
     known = {
-        "capture_time", "decode_step", "graph_memory", "memory", "replay_overhead", "soak", "tensor_parallel", "training_step",
+        "capture_time", "conditional", "decode_step", "graph_memory", "memory", "replay_overhead", "soak", "tensor_parallel", "training_step",
         "transformers_generate",
     }
     assert known <= set(BENCHMARKS)  # and any new one is run by the test below

@@ -28,6 +28,7 @@ META_INSTALLED = importlib.util.find_spec("breakable_cuda_graphs") is not None
         ("memory", ["memory"], True),
         ("capture_time", ["capture_time", "capture_startup"], True),
         ("training_step", ["training_step"], True),
+        ("conditional", ["conditional"], True),
         ("soak", ["soak"], False),
         ("graph_memory", ["graph_memory"], False),
     ],
