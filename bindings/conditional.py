@@ -91,8 +91,9 @@ def add_conditional(stream: StreamLike, kind: ConditionalKind, flag: int) -> Con
     before it; the stream's later work follows the node."""
     handle = stream_handle(stream)
     graph = _capturing_graph(handle)
+    setter = _current_setter()  # first: a handle no node takes would fail the graph's instantiation
     condition = check(cudart.cudaGraphConditionalHandleCreate(graph, 0, 0), "cudaGraphConditionalHandleCreate")
-    set_conditional(handle, int(condition), flag)
+    _launch(setter, handle, int(condition), flag)
     status, _id, graph, dependencies, edges, count = _capture_info(handle)
     params = cudart.cudaGraphNodeParams()
     params.type = cudart.cudaGraphNodeType.cudaGraphNodeTypeConditional
@@ -146,10 +147,17 @@ def end_body_capture(stream: StreamLike) -> None:
 def set_conditional(stream: StreamLike, handle: int, flag: int) -> None:
     """Launch the kernel that sets ``handle`` from the byte at device address ``flag``
     on ``stream`` (in a capture: a kernel node; in a WHILE body, its last one)."""
-    setter = _setter(int(check(cudart.cudaGetDevice(), "cudaGetDevice")))
+    _launch(_current_setter(), stream_handle(stream), handle, flag)
+
+
+def _launch(setter: driver.CUfunction, stream: cudart.cudaStream_t, handle: int, flag: int) -> None:
     arguments = ((handle, flag), (ctypes.c_ulonglong, ctypes.c_void_p))
-    raw = driver.CUstream(int(stream_handle(stream)))
+    raw = driver.CUstream(int(stream))
     check_driver(driver.cuLaunchKernel(setter, 1, 1, 1, 1, 1, 1, 0, raw, arguments, 0), "cuLaunchKernel")
+
+
+def _current_setter() -> driver.CUfunction:
+    return _setter(int(check(cudart.cudaGetDevice(), "cudaGetDevice")))
 
 
 _setters: dict[int, driver.CUfunction] = {}
@@ -180,6 +188,12 @@ def _compile_setter(device: int) -> bytes:
     which a driver older than NVRTC could not load)."""
     major = check(cudart.cudaDeviceGetAttribute(cudart.cudaDeviceAttr.cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute")
     minor = check(cudart.cudaDeviceGetAttribute(cudart.cudaDeviceAttr.cudaDevAttrComputeCapabilityMinor, device), "cudaDeviceGetAttribute")
+    supported = _nvrtc(nvrtc.nvrtcGetSupportedArchs(), "nvrtcGetSupportedArchs")
+    if major * 10 + minor not in supported:
+        raise RuntimeError(
+            f"this NVRTC cannot compile for the GPU's architecture sm_{major}{minor} (it knows sm_{min(supported)} to "
+            f"sm_{max(supported)}); install the nvidia-cuda-nvrtc release of torch's CUDA version, or a newer one"
+        )
     options = [f"--gpu-architecture=sm_{major}{minor}".encode(), b"-std=c++17"]
     program = _nvrtc(nvrtc.nvrtcCreateProgram(_SETTER_SOURCE.encode(), b"breakgraph_conditional.cu", 0, [], []), "nvrtcCreateProgram")
     try:
@@ -191,7 +205,7 @@ def _compile_setter(device: int) -> bytes:
             raise RuntimeError(
                 f"NVRTC could not compile the kernel that sets a conditional node's handle for sm_{major}{minor}: "
                 f"{log.decode(errors='replace').strip()}. Conditional nodes need NVRTC from CUDA 12.3 or later "
-                "(pip install nvidia-cuda-nvrtc for torch's CUDA major version)."
+                "(the nvidia-cuda-nvrtc release of torch's CUDA version)."
             )
         size = _nvrtc(nvrtc.nvrtcGetCUBINSize(program), "nvrtcGetCUBINSize")
         cubin = b" " * size
