@@ -56,6 +56,10 @@ class ActiveCapture(Protocol):
     def inside_body(self) -> ContextManager:
         """While a conditional body is captured: breaks are refused (a body is one graph)."""
 
+    def body_failed(self, what: str) -> None:
+        """A conditional body failed, ``what`` says how: its node is half built, so the capture
+        cannot end in a graph, even where the caller catches the error and goes on."""
+
 
 _active: ContextVar[Optional[ActiveCapture]] = ContextVar("breakgraph_capture", default=None)
 

@@ -34,14 +34,26 @@ _aten = torch.ops.aten
 # Indexing with a boolean mask counts the mask's True values on the host (nonzero) inside
 # the kernel, where no op watch sees it.
 _MASKABLE = {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default, _aten._index_put_impl_.default}
+# Ops whose CUDA kernels read a count back to the host to size their output.
+_SIZED_ON_THE_HOST = {_aten.bincount.default, _aten._unique2.default, _aten.unique_dim.default, _aten.unique_consecutive.default}
+_COPIES = {_aten._to_copy.default, _aten.copy_.default, _aten._copy_from.default}
 
 
-def _syncs_on_host(func, args, kwargs) -> bool:
-    if op_kind(func) == OpKind.HOST_SYNC:
-        return touches_cuda(args, kwargs)
-    if func in _MASKABLE and len(args) > 1 and touches_cuda(args, kwargs):
-        return any(isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8) for index in args[1])
-    return False
+def _host_work(func, args, kwargs) -> str | None:
+    """What in the op ``func`` needs the host, which a body cannot stop for; None if nothing."""
+    if func in _COPIES:
+        source = args[0].device
+        target = kwargs.get("device") or source if func is _aten._to_copy.default else args[1].device
+        if {source.type, torch.device(target).type} == {"cpu", "cuda"}:
+            return f"{func} (a copy between the host and the GPU)"
+        return None
+    if not touches_cuda(args, kwargs):
+        return None
+    sized_on_the_host = func in _SIZED_ON_THE_HOST or (func is _aten.repeat_interleave.Tensor and kwargs.get("output_size") is None)
+    masked = func in _MASKABLE and any(isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8) for index in args[1])
+    if op_kind(func) == OpKind.HOST_SYNC or sized_on_the_host or masked:
+        return f"{func} (it synchronizes the GPU with the host)"
+    return None
 
 
 def cond(pred: torch.Tensor, true_fn: Callable, false_fn: Callable, *operands: Any) -> Any:
@@ -82,7 +94,7 @@ def cond(pred: torch.Tensor, true_fn: Callable, false_fn: Callable, *operands: A
     taken = trees.take_apart(result, objects=True)
     with _body(capture, node.bodies[1], "cond", "false_fn"):
         other = trees.take_apart(false_fn(*operands), objects=True)
-        for into, value in _pairs(taken, other, "cond", "true_fn", "false_fn"):
+        for into, value in _pairs(taken, other, "cond", "true_fn", "false_fn", pred.device):
             into.copy_(value)
     return result
 
@@ -117,16 +129,18 @@ def while_loop(cond_fn: Callable, body_fn: Callable, carried: tuple) -> tuple:
     if not capture.branches_on_device:
         return capture.run_break(_python_while, (cond_fn, body_fn, carried), {}, name="while_loop")
     bindings.require_conditional_support(_WHILE, "breakgraph.while_loop inside a capture")
-    capture.conditional_node("while_loop()")
+    for index, value in enumerate(carried):
+        _require_on_capture_device(f"while_loop's carried[{index}]", value)
     state = tuple(value.clone() for value in carried)  # the loop's own buffers: carried stays as it was
     first = cond_fn(*state)
     _require_predicate("while_loop's cond_fn result", first)
     _require_on_capture_device("while_loop's cond_fn result", first)
+    capture.conditional_node("while_loop()")
     node = bindings.add_conditional(torch.cuda.current_stream(), _WHILE, first.data_ptr())
     with _body(capture, node.bodies[0], "while_loop", "body_fn") as watch:
         state_tree = trees.take_apart(state, objects=False)
         new = trees.take_apart(body_fn(*state), objects=False)
-        pairs = list(_pairs(state_tree, new, "while_loop", "carried", "body_fn"))
+        pairs = list(_pairs(state_tree, new, "while_loop", "carried", "body_fn", first.device))
         # A value that is not the body's own may be another carried tensor (a swap): copy it first.
         values = [value if watch.made(value) or value is into else value.clone() for into, value in pairs]
         for (into, _), value in zip(pairs, values):
@@ -134,6 +148,7 @@ def while_loop(cond_fn: Callable, body_fn: Callable, carried: tuple) -> tuple:
                 into.copy_(value)
         again = cond_fn(*state)
         _require_predicate("while_loop's cond_fn result", again)
+        _require_on_capture_device("while_loop's cond_fn result", again)
         bindings.set_conditional(torch.cuda.current_stream(), node.handle, again.data_ptr())
     return state
 
@@ -143,6 +158,7 @@ def _python_if(pred, true_fn, false_fn, *operands):
 
 
 def _python_while(cond_fn, body_fn, carried):
+    carried = tuple(value.clone() for value in carried)  # as the captured loop: carried stays as it was
     while True:
         go_on = cond_fn(*carried)
         _require_predicate("while_loop's cond_fn result", go_on)
@@ -175,12 +191,12 @@ def _require_predicate(what: str, pred) -> None:
         )
 
 
-def _require_on_capture_device(what: str, pred: torch.Tensor) -> None:
+def _require_on_capture_device(what: str, tensor: torch.Tensor) -> None:
     device = torch.cuda.current_stream().device
-    if pred.device != device:
+    if tensor.device != device:
         raise ValueError(
-            f"{what} is on {pred.device}, but the capture runs on {device}: the GPU reads the predicate at each "
-            f"replay, so it must live there (a CPU value would be frozen into the graph)"
+            f"{what} is on {tensor.device}, but the capture runs on {device}: the GPU reads it at each replay, "
+            "so it must live there (a CPU value would be frozen into the graph)"
         )
 
 
@@ -200,9 +216,10 @@ def _own_buffers(result, watch: "_BodyWatch"):
     return trees.map_tensors(own, result, objects=True)
 
 
-def _pairs(first: trees.Flat, second: trees.Flat, construct: str, first_name: str, second_name: str):
-    """The (first, second) tensor leaves of two values that must match leaf for leaf; a
-    difference in structure, shape, dtype, device or a non-tensor leaf is named."""
+def _pairs(first: trees.Flat, second: trees.Flat, construct: str, first_name: str, second_name: str, device: torch.device):
+    """The (first, second) tensor leaves of two values that must match leaf for leaf, on the
+    capture's ``device``; a difference in structure, shape, dtype, device or a non-tensor leaf
+    is named."""
     if first.spec != second.spec:
         raise TypeError(
             f"{construct}: {first_name} and {second_name} must give the same structure, got {first.spec} and {second.spec}"
@@ -213,6 +230,11 @@ def _pairs(first: trees.Flat, second: trees.Flat, construct: str, first_name: st
             raise TypeError(f"{construct}: {where} is {a!r} from {first_name} but {b!r} from {second_name}")
         if not isinstance(a, torch.Tensor):
             continue
+        if a.device != device:
+            raise ValueError(
+                f"{construct}: {where} from {first_name} is on {a.device}, but the capture runs on {device}: the GPU "
+                "writes the result at each replay, so it must live there (a CPU tensor would keep the capture's value)"
+            )
         for attribute in ("shape", "dtype", "device"):
             if getattr(a, attribute) != getattr(b, attribute):
                 raise TypeError(
@@ -245,8 +267,9 @@ class _BodyWatch(TorchDispatchMode):
         self._made: set[int] = set()
 
     def made(self, tensor: torch.Tensor) -> bool:
-        """Whether an op of this body made ``tensor``'s storage."""
-        return tensor.untyped_storage().data_ptr() in self._made
+        """Whether an op of this body made ``tensor``'s storage (never said of an empty one:
+        every empty tensor's storage is at address 0)."""
+        return tensor.numel() > 0 and tensor.untyped_storage().data_ptr() in self._made
 
     def refuse(self, what: str, fix: str) -> UncapturableOpError:
         return _refusal(what, self.construct, self.function, fix)
@@ -255,41 +278,67 @@ class _BodyWatch(TorchDispatchMode):
         kwargs = kwargs or {}
         if op_kind(func) == OpKind.RANDOM:
             raise self.refuse(f"the random op {func}", "Draw the numbers before the call and pass them in")
-        if _syncs_on_host(func, args, kwargs):
-            raise self.refuse(f"{func} (it synchronizes the GPU with the host)", "Keep the value on the GPU")
+        host_work = _host_work(func, args, kwargs)
+        if host_work is not None:
+            raise self.refuse(host_work, "Keep the value on the GPU")
         if is_collective(func):
             raise self.refuse(f"the collective {func}", "Run it before or after the call")
         result = func(*args, **kwargs)
-        inputs = {value.untyped_storage().data_ptr() for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor)}
+        leaves, _ = trees.flatten((args, kwargs), objects=False)
+        inputs = {value.untyped_storage().data_ptr() for value in leaves if isinstance(value, torch.Tensor)}
         for value in result if isinstance(result, (tuple, list)) else (result,):
             if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() not in inputs:
                 self._made.add(value.untyped_storage().data_ptr())
         return result
 
 
-@contextlib.contextmanager
-def _synchronize_refused(watch: _BodyWatch):
-    """torch's synchronize calls refused on this thread: CUDA would invalidate the body."""
-    thread = threading.get_ident()
-    originals = [(torch.cuda, "synchronize"), (torch.cuda.Stream, "synchronize"), (torch.cuda.Event, "synchronize")]
-    originals = [(owner, name, owner.__dict__[name]) for owner, name in originals]
+_SYNCHRONIZERS = ((torch.cuda, "synchronize", "torch.cuda.synchronize()"), (torch.cuda.Stream, "synchronize", "Stream.synchronize()"), (torch.cuda.Event, "synchronize", "Event.synchronize()"))
 
-    def refusing(original, what):
+
+class _SynchronizeRefusal:
+    """torch's synchronize calls, refused on a thread while it captures a body (CUDA would
+    refuse them and lose the body): installed once for every thread that captures one,
+    reference-counted under a lock, and calling through on every other thread."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._users = 0
+        self._originals: list = []
+        self._watches = threading.local()  # this thread's bodies being captured, innermost last
+
+    @contextlib.contextmanager
+    def during(self, watch: _BodyWatch):
+        with self._lock:
+            if self._users == 0:
+                for owner, name, label in _SYNCHRONIZERS:
+                    original = owner.__dict__[name]
+                    self._originals.append((owner, name, original))
+                    setattr(owner, name, self._refusing(original, label))
+            self._users += 1
+        watches = self._watches.__dict__.setdefault("stack", [])
+        watches.append(watch)
+        try:
+            yield
+        finally:
+            watches.pop()
+            with self._lock:
+                self._users -= 1
+                if self._users == 0:
+                    for owner, name, original in self._originals:
+                        setattr(owner, name, original)
+                    self._originals.clear()
+
+    def _refusing(self, original: Callable, label: str) -> Callable:
         def call(*args, **kwargs):
-            if threading.get_ident() == thread:
-                raise watch.refuse(what, "Keep the value on the GPU")
+            watches = getattr(self._watches, "stack", None)
+            if watches:
+                raise watches[-1].refuse(label, "Keep the value on the GPU")
             return original(*args, **kwargs)
 
         return call
 
-    for owner, name, original in originals:
-        label = "torch.cuda.synchronize()" if owner is torch.cuda else f"{owner.__name__}.synchronize()"
-        setattr(owner, name, refusing(original, label))
-    try:
-        yield
-    finally:
-        for owner, name, original in originals:
-            setattr(owner, name, original)
+
+_synchronize_refusal = _SynchronizeRefusal()
 
 
 @contextlib.contextmanager
@@ -304,9 +353,10 @@ def _body(capture, graph: bindings.Graph, construct: str, function: str):
     bindings.begin_body_capture(stream, graph, "relaxed")
     watch = _BodyWatch(construct, function)
     try:
-        with capture.inside_body(), runtime.on_stream(stream), _synchronize_refused(watch), watch:
+        with capture.inside_body(), runtime.on_stream(stream), _synchronize_refusal.during(watch), watch:
             yield watch
     except BaseException as error:
+        capture.body_failed(f"{construct}'s {function} failed ({type(error).__name__}: {error})")
         if _close_failed(stream, device, depth, refused_by_cuda=is_capture_violation(error)):
             raise UncapturableOpError(
                 f"{user_line(error)} made CUDA refuse the capture of {construct}'s {function} ({error}). Keep it "

@@ -61,6 +61,7 @@ class Recorder:
         self.branches_on_device = not record_addresses  # debug mode runs cond and while_loop as breaks
         self.body_depth = 0
         self._conditional_nodes = 0  # in the open segment, outside bodies
+        self._failed_body: str | None = None  # a half-built conditional node: the capture cannot finish
         self.segments: list[Segment] = []
         self.segment_open = False
         self.tracker = streams.ForkJoinTracker(
@@ -231,6 +232,10 @@ class Recorder:
             self.begin_segment()
         self._conditional_nodes += self.body_depth == 0
 
+    def body_failed(self, what: str) -> None:
+        """Refuse to finish the capture: a conditional node in it is half built."""
+        self._failed_body = self._failed_body or what
+
     @contextlib.contextmanager
     def inside_body(self):
         """While a conditional body is captured, :meth:`run_break` refuses breaks."""
@@ -286,6 +291,11 @@ class Recorder:
     def finish(self) -> Recording:
         """End the last segment and close the capture's scope; the recording is the caller's now."""
         try:
+            if self._failed_body is not None:
+                raise UncapturableOpError(
+                    f"the capture cannot end in a graph: {self._failed_body}, which left its conditional node half "
+                    "built. Fix the error and capture again."
+                )
             self.end_segment(following="end")
             if self.barrier is not None and self.peers is None:
                 self.barrier()  # a runner's peers meet as their agreement ends, right after
