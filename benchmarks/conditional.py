@@ -231,7 +231,7 @@ class TokenDecoder:
 class PerToken:
     """One launch per token; the host reads whether every row has finished after each."""
 
-    def __init__(self, model: TokenDecoder, stream):
+    def __init__(self, model: TokenDecoder):
         self.model = m = model
         self.tokens, self.finished = m.first.clone(), torch.zeros_like(m.first, dtype=torch.bool)
 
@@ -263,7 +263,7 @@ class PerLaunch:
     """Up to ``limit`` tokens in one launch: ``bg.while_loop`` stops on the device when the
     limit is reached or every row has finished."""
 
-    def __init__(self, model: TokenDecoder, limit: int, stream):
+    def __init__(self, model: TokenDecoder, limit: int):
         self.model = m = model
         batch = m.first.shape[0]
         self.tokens = m.first.clone()
@@ -293,7 +293,7 @@ class PerLaunch:
         return self.out[:, :count].clone()
 
 
-def token_rows(quick: bool, stream) -> list[dict]:
+def token_rows(quick: bool) -> list[dict]:
     rows = []
     models = {"small 2x256": DecoderConfig(layers=2, hidden=256, heads=4, kv_heads=2, intermediate=512, kv_capacity=1024)}
     if not quick:
@@ -301,9 +301,9 @@ def token_rows(quick: bool, stream) -> list[dict]:
     for name, config in models.items():
         for batch in (1, 8):
             model = TokenDecoder(config, batch)
-            per_token = PerToken(model, stream)
+            per_token = PerToken(model)
             for limit in (1, 4, 16):
-                per_launch = PerLaunch(model, limit, stream)
+                per_launch = PerLaunch(model, limit)
                 reference = per_token.run(limit)
                 assert torch.equal(per_launch.run(), reference), f"{name}, batch {batch}, K={limit}: tokens differ"
                 if limit > 2:  # an end token every row reaches: both stop at the same token
@@ -340,7 +340,7 @@ def main(argv=None) -> int:
     if args.part in ("guard", "both"):
         rows += guard_rows(args.quick, stream, load_meta())
     if args.part in ("tokens", "both"):
-        rows += token_rows(args.quick, stream)
+        rows += token_rows(args.quick)
     write_outputs("conditional", rows, ["part", "shape", "variant", "us", "check"], args.out, device_meta(), draw)
     return 0
 

@@ -1,6 +1,8 @@
 """cond and while_loop off the GPU: Python if and while with the same checks, debug mode's
 eager break, the refusals, and the driver version a conditional node needs."""
 
+import threading
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -10,6 +12,7 @@ import breakgraph as bg
 import breakgraph_bindings as bindings
 from breakgraph.base import context
 from breakgraph.base.options import CaptureOptions
+from breakgraph.recording import conditional
 from breakgraph.recording.recorder import Recorder
 
 
@@ -32,6 +35,20 @@ def test_while_loop_is_a_python_while_and_leaves_carried_as_it_was(limit, start)
     assert int(final[0]) == max(start, limit)
     torch.testing.assert_close(final[1], torch.full((3,), float(sum(steps))))
     assert int(i) == start and not acc.any()
+
+
+def test_while_loop_works_on_its_own_copies_even_with_an_in_place_body():
+    carried = (torch.tensor(0), torch.ones(3))
+
+    def body(i, acc):
+        acc.mul_(2)  # in place: on the loop's copy, never on the caller's tensor
+        return i.add_(1), acc
+
+    final = bg.while_loop(lambda i, acc: i < 3, body, carried)
+    assert int(final[0]) == 3 and torch.equal(final[1], torch.full((3,), 8.0))
+    assert int(carried[0]) == 0 and torch.equal(carried[1], torch.ones(3))
+    untouched = bg.while_loop(lambda i, acc: i < 0, body, carried)  # no pass: copies all the same
+    assert all(a is not b and torch.equal(a, b) for a, b in zip(untouched, carried))
 
 
 @pytest.mark.parametrize(
@@ -97,3 +114,39 @@ def test_a_driver_too_old_for_a_conditional_node_is_refused_naming_the_release(m
     monkeypatch.setattr(bindings.conditional, "driver_version", lambda: 12020)
     with pytest.raises(RuntimeError, match=f"needs a driver for CUDA {needs} or later.*this driver supports CUDA 12.2"):
         bindings.require_conditional_support(bindings.ConditionalKind[kind], "breakgraph.cond inside a capture")
+
+
+def test_what_needs_the_host_is_named_before_cuda_sees_it():
+    aten, gpu = torch.ops.aten, torch.device("cuda")
+    x = torch.ones(3)
+    assert "a copy between the host and the GPU" in conditional._host_work(aten._to_copy.default, (x,), {"device": gpu})
+    assert conditional._host_work(aten._to_copy.default, (x,), {"dtype": torch.half}) is None
+    assert conditional._host_work(aten.nonzero.default, (x,), {}) is None  # CPU tensors sync no GPU
+
+
+def test_synchronize_is_refused_only_on_threads_capturing_a_body_and_restored_after_the_last():
+    original = torch.cuda.synchronize
+    inside, leave_first = threading.Event(), threading.Event()
+    seen = {}
+
+    class Watch:
+        def refuse(self, what, fix):
+            return bg.UncapturableOpError(what)
+
+    def first():
+        with conditional._synchronize_refusal.during(Watch()):
+            inside.set()
+            leave_first.wait(10)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    inside.wait(10)
+    with conditional._synchronize_refusal.during(Watch()):
+        leave_first.set()
+        thread.join(10)  # the first thread leaves while this one still captures
+        try:
+            torch.cuda.synchronize()
+        except bg.UncapturableOpError as error:
+            seen["refused"] = str(error)
+    assert seen == {"refused": "torch.cuda.synchronize()"}
+    assert torch.cuda.synchronize is original and torch.cuda.Stream.__dict__["synchronize"].__name__ == "synchronize"

@@ -138,20 +138,17 @@ def test_debug_mode_runs_cond_as_an_eager_break():
         assert_close(out, (x + 1 if x.sum() > 0 else x - 1) * 2)
 
 
-def test_many_conds_in_one_segment_keep_the_pool_steady():
-    x = torch.randn(32, device=DEV)
+def test_many_conds_in_one_segment_reuse_the_memory_their_bodies_free():
+    x = torch.randn(1 << 20, device=DEV)  # 4 MiB a result
 
     def fn(x):
         for i in range(48):
-            x = bg.cond(x[i % 32] > 0, lambda a: a * 0.5 + 1, lambda a: a.roll(1) - 0.25, x)
+            x = bg.cond(x[i] > 0, lambda a: a * 0.5 + 1, lambda a: a.roll(1) - 0.25, x)
         return x
 
-    graph, out = _replays_match(fn, [x], lambda trial: [torch.randn(32, device=DEV)], trials=3)
-    held = bg.pool_bytes(graph.pool)
-    for _ in range(200):
-        graph.replay()
-    torch.cuda.synchronize()
-    assert bg.pool_bytes(graph.pool) == held and graph.num_graphs == 1
+    graph, out = _replays_match(fn, [x], lambda trial: [torch.randn(1 << 20, device=DEV)], trials=3)
+    assert graph.num_graphs == 1
+    assert bg.pool_bytes(graph.pool) < 8 * x.nbytes, "each body's freed results serve the next bodies"
 
 
 def test_segments_with_conditional_nodes_keep_their_own_executables():
@@ -251,13 +248,13 @@ def test_random_programs_of_ops_breaks_and_conditionals_match_eager(program):
 # -- refusals and failures --------------------------------------------------------------------
 
 
-_SYNCHRONIZE, _STREAM_SYNCHRONIZE = torch.cuda.synchronize, torch.cuda.Stream.synchronize
+_SYNCHRONIZERS = (torch.cuda.synchronize, torch.cuda.Stream.synchronize, torch.cuda.Event.synchronize)
 
 
 def _assert_next_capture_works():
     assert not bg.is_capturing()
     assert bindings.capture_status(torch.cuda.current_stream()) is bindings.CaptureStatus.NONE
-    assert torch.cuda.synchronize is _SYNCHRONIZE and torch.cuda.Stream.synchronize is _STREAM_SYNCHRONIZE
+    assert (torch.cuda.synchronize, torch.cuda.Stream.synchronize, torch.cuda.Event.synchronize) == _SYNCHRONIZERS
     x = torch.randn(6, device=DEV)
     _replays_match(lambda x: bg.cond(x.sum() > 0, lambda a: a + 1, lambda a: a * 3, x), [x], lambda t: [_signed(6, t)])
 
@@ -274,6 +271,9 @@ _REFUSED = {
     "nonzero": (lambda a: a.nonzero().float().sum() + a, "synchronizes the GPU with the host"),
     "mask": (lambda a: a.masked_fill(a > 0, 0)[a != 0].sum() + a, "synchronizes the GPU with the host"),
     "synchronize": (lambda a: torch.cuda.synchronize() or a, "torch.cuda.synchronize()"),
+    "to host": (lambda a: a.cpu().cuda(), "a copy between the host and the GPU"),
+    "unique": (lambda a: a + torch.unique(a).sum(), "synchronizes the GPU with the host"),
+    "cpu result": (lambda a: a.sum().cpu(), "a copy between the host and the GPU"),
     "shape": (lambda a: a[:2], "shape torch.Size([2]) from true_fn but torch.Size([6]) from false_fn"),
     "dtype": (lambda a: a.half(), "dtype torch.float16 from true_fn but torch.float32"),
     "structure": (lambda a: (a, a), "must give the same structure"),
@@ -292,9 +292,34 @@ def test_what_a_body_cannot_hold_is_refused_and_leaves_nothing_behind(what):
     _assert_next_capture_works()
 
 
+def test_a_while_loop_body_refuses_a_break_and_a_cpu_carry_is_refused():
+    x = torch.randn(6, device=DEV)
+    with pytest.raises(bg.UncapturableOpError, match="is an eager break inside the body"):
+        with bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph()):
+            bg.while_loop(lambda t: t.sum() < 10, lambda t: (_host_work(t),), (x,))
+    _assert_next_capture_works()
+    with pytest.raises(ValueError, match=re.escape("carried[1] is on cpu")):
+        with bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph()):
+            bg.while_loop(lambda t, n: t.sum() < 10, lambda t, n: (t + 1, n), (x, torch.zeros(2)))
+    _assert_next_capture_works()
+
+
+def test_a_body_error_caught_inside_the_capture_still_fails_the_capture():
+    x = torch.randn(6, device=DEV)
+    graph = bg.BreakableCUDAGraph()
+    with pytest.raises(bg.UncapturableOpError, match="cond's true_fn failed .* half built"):
+        with bg.BreakableCUDAGraphCapture(graph):
+            try:
+                bg.cond(x.sum() > 0, lambda a: a * a.sum().item(), lambda a: a, x)
+            except bg.UncapturableOpError:
+                pass  # the caller goes on: the node it half built must not reach a graph
+    assert not graph.captured
+    _assert_next_capture_works()
+
+
 def test_a_predicate_on_the_wrong_device_is_refused():
     x = torch.randn(6, device=DEV)
-    with pytest.raises(ValueError, match="the GPU reads the predicate"):
+    with pytest.raises(ValueError, match="cond's pred is on cpu"):
         with bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph()):
             bg.cond(torch.tensor(True), lambda a: a, lambda a: a * 2, x)
     _assert_next_capture_works()
