@@ -20,16 +20,13 @@ import ctypes
 import enum
 from dataclasses import dataclass
 
-import cuda.bindings
 from cuda.bindings import driver, nvrtc
 from cuda.bindings import runtime as cudart
 
-from .capture import CaptureMode, CaptureStatus
+from .capture import CaptureMode, CaptureStatus, exchange_capture_mode
 from .errors import check, check_driver
-from .graph import Graph
+from .graph import _EDGES_TAKE_DATA, Graph
 from .streams import StreamLike, stream_handle
-
-_EDGES_TAKE_DATA = int(cuda.bindings.__version__.split(".")[0]) >= 13  # CUDA 13 added edge data to the calls
 
 _SETTER_SOURCE = r"""
 extern "C" __device__ __cudart_builtin__ void CUDARTAPI cudaGraphSetConditional(cudaGraphConditionalHandle handle, unsigned int value);
@@ -170,15 +167,12 @@ def _setter(device: int) -> driver.CUfunction:
     setter = _setters.get(device)
     if setter is None:
         cubin = _compile_setter(device)
-        previous = check(
-            cudart.cudaThreadExchangeStreamCaptureMode(cudart.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed),
-            "cudaThreadExchangeStreamCaptureMode",
-        )
+        previous = exchange_capture_mode(CaptureMode.RELAXED)
         try:
             module = check_driver(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
             setter = check_driver(driver.cuModuleGetFunction(module, _SETTER_NAME), "cuModuleGetFunction")
         finally:
-            cudart.cudaThreadExchangeStreamCaptureMode(previous)
+            exchange_capture_mode(previous)
         _setters[device] = setter
     return setter
 

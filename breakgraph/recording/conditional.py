@@ -82,7 +82,7 @@ def cond(pred: torch.Tensor, true_fn: Callable, false_fn: Callable, *operands: A
     _require_predicate("cond's pred", pred)
     capture = context.current()
     if capture is None or not capture.segment_open:
-        return true_fn(*operands) if bool(pred) else false_fn(*operands)
+        return _python_if(pred, true_fn, false_fn, *operands)
     if not capture.branches_on_device:
         return capture.run_break(_python_if, (pred, true_fn, false_fn, *operands), {}, name="cond")
     bindings.require_conditional_support(_IF_ELSE, "breakgraph.cond inside a capture")
