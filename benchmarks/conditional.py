@@ -14,27 +14,22 @@ timing, every variant runs steps from the same weights, one of them with a NaN
 injected into the batch, and is compared with an eager guarded step: each
 guarded variant skips that step, and the bound, which does not, must differ.
 
-**K tokens per launch.** The decoder's full mode (attention reading positions on
-the device) with an embedding and a tied head, greedy. One launch per token with
-the host checking the end token after each, against ``bg.while_loop`` decoding
-up to K tokens in one launch and stopping on the device once every row has
-produced the end token. Both give the same tokens, checked with an end token the
-rows reach and with one they never do (timed).
+**K tokens per launch** (``benchmarks.token_loop``): greedy decoding, one launch
+per token with the host checking the end token after each, against
+``bg.while_loop`` decoding up to K tokens in one launch and stopping on the
+device, on a host-bound model and on the GPU-bound decoder.
 
-    python -m benchmarks.conditional [--quick] [--out results]
+    python -m benchmarks.conditional [--quick] [--part guard|tokens|both] [--out results]
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 import breakgraph as bg
-from benchmarks.attention import AttentionMetadata, attention_from_positions
 from benchmarks.common import benchmark_parser, device_meta, plot_grouped_bars, require_gpu, synchronized, time_alternated, verdict, write_outputs
-from benchmarks.decoder import Decoder, DecoderConfig
 from benchmarks.peers import META, load_meta, meta_ratios
+from benchmarks.token_loop import token_rows
 from benchmarks.training_step import CLIP_NORM, Trainer
 from breakgraph.base.runtime import run_on_stream
 
@@ -45,9 +40,7 @@ GUARDS = (
     "torch CUDAGraph per segment",
     "bound: one graph, no guard",
 )
-PER_LAUNCH = "while_loop, K tokens per launch"
 COND_TARGET, BREAK_TARGET = 1.05, 1.3
-TOKEN_TARGET = 1.2
 ROUNDS = 2000
 TOLERANCE = 1e-4
 
@@ -199,133 +192,6 @@ def guard_rows(quick: bool, stream, meta_library) -> list[dict]:
         )
         rows.append({"part": "guard", "shape": label, "variant": "ratios", "us": ratios})
         del step
-    return rows
-
-
-class TokenDecoder:
-    """Greedy decoding on the decoder's full mode: an embedding, the decoder step with
-    attention reading each row's position on the device, and a head tied to the embedding."""
-
-    def __init__(self, config: DecoderConfig, batch: int, vocab: int = 2048, start: int = 16):
-        self.decoder = Decoder(config, max_batch=batch)
-        generator = torch.Generator(device="cuda").manual_seed(1)
-        self.embed = (torch.randn(vocab, config.hidden, device="cuda", generator=generator) * 0.5).to(config.dtype)
-        self.start = start
-        self.positions = torch.full((batch,), start, dtype=torch.long, device="cuda")
-        self.meta = AttentionMetadata(start, self.positions)
-        self.first = torch.randint(0, vocab, (batch,), device="cuda", generator=generator)
-        self.end_token = torch.full((), -1, dtype=torch.long, device="cuda")
-
-    def next_tokens(self, tokens: torch.Tensor, finished: torch.Tensor) -> torch.Tensor:
-        """The next token of every row (the end token again for rows that have finished);
-        advances every row's position."""
-        hidden = self.decoder.step(self.embed[tokens], self.positions, self.meta, attend=attention_from_positions)
-        chosen = (hidden @ self.embed.T).argmax(-1)
-        self.positions.add_(1)
-        return torch.where(finished, self.end_token, chosen)
-
-    def reset(self):
-        self.positions.fill_(self.start)
-
-
-class PerToken:
-    """One launch per token; the host reads whether every row has finished after each."""
-
-    def __init__(self, model: TokenDecoder):
-        self.model = m = model
-        self.tokens, self.finished = m.first.clone(), torch.zeros_like(m.first, dtype=torch.bool)
-
-        def one(tokens, finished):
-            nxt = m.next_tokens(tokens, finished)
-            tokens.copy_(nxt)
-            finished.logical_or_(nxt == m.end_token)
-            return finished.all()
-
-        with torch.no_grad():
-            self.step = bg.graphed(one, self.tokens, self.finished, warmup=1)
-        m.reset()
-
-    def run(self, limit: int) -> torch.Tensor:
-        m = self.model
-        m.reset()
-        self.tokens.copy_(m.first)
-        self.finished.zero_()
-        out = []
-        for _ in range(limit):
-            done = self.step()
-            out.append(self.tokens.clone())
-            if done.item():
-                break
-        return torch.stack(out, 1)
-
-
-class PerLaunch:
-    """Up to ``limit`` tokens in one launch: ``bg.while_loop`` stops on the device when the
-    limit is reached or every row has finished."""
-
-    def __init__(self, model: TokenDecoder, limit: int):
-        self.model = m = model
-        batch = m.first.shape[0]
-        self.tokens = m.first.clone()
-        self.out = torch.zeros(batch, limit, dtype=torch.long, device="cuda")
-
-        def loop(tokens):
-            def go_on(count, tokens, finished):
-                return (count < limit) & ~finished.all()
-
-            def body(count, tokens, finished):
-                nxt = m.next_tokens(tokens, finished)
-                self.out.index_copy_(1, count.view(1), nxt.view(-1, 1))
-                return count + 1, nxt, finished | (nxt == m.end_token)
-
-            start = (torch.zeros((), dtype=torch.long, device="cuda"), tokens, torch.zeros_like(tokens, dtype=torch.bool))
-            return bg.while_loop(go_on, body, start)[0]
-
-        with torch.no_grad():
-            self.step = bg.graphed(loop, self.tokens, warmup=1)
-        m.reset()
-
-    def run(self) -> torch.Tensor:
-        m = self.model
-        m.reset()
-        self.tokens.copy_(m.first)
-        count = int(self.step())
-        return self.out[:, :count].clone()
-
-
-def token_rows(quick: bool) -> list[dict]:
-    rows = []
-    models = {"small 2x256": DecoderConfig(layers=2, hidden=256, heads=4, kv_heads=2, intermediate=512, kv_capacity=1024)}
-    if not quick:
-        models["decoder 16x2048"] = DecoderConfig()
-    for name, config in models.items():
-        for batch in (1, 8):
-            model = TokenDecoder(config, batch)
-            per_token = PerToken(model)
-            for limit in (1, 4, 16):
-                per_launch = PerLaunch(model, limit)
-                reference = per_token.run(limit)
-                assert torch.equal(per_launch.run(), reference), f"{name}, batch {batch}, K={limit}: tokens differ"
-                if limit > 2:  # an end token every row reaches: both stop at the same token
-                    model.end_token.fill_(int(reference[0, limit // 2]))
-                    stopped = per_token.run(limit)
-                    assert torch.equal(per_launch.run(), stopped) and (batch > 1 or stopped.shape[1] <= limit // 2 + 1)
-                    model.end_token.fill_(-1)
-                runs = {"one launch per token": functools.partial(per_token.run, limit), PER_LAUNCH: per_launch.run}
-                us = time_alternated({key: synchronized(run) for key, run in runs.items()}, 20 if quick else 400)
-                label = f"{name}, batch {batch}, K={limit}"
-                for key, value in us.items():
-                    rows.append(
-                        {"part": "tokens", "shape": label, "variant": key, "us": round(value / limit, 1),
-                         "check": f"{batch * limit / value * 1e6:,.0f} tokens/s"}
-                    )
-                speedup = us["one launch per token"] / us[PER_LAUNCH]
-                target = ""
-                if name.startswith("small") and batch == 1 and limit > 1:
-                    target = f" (target >= {TOKEN_TARGET} at batch 1 on the small model: {verdict(speedup, TOKEN_TARGET, False)})"
-                rows.append({"part": "tokens", "shape": label, "variant": "ratios", "us": f"while_loop tokens/s over per token {speedup:.2f}x{target}"})
-                del per_launch
-            del per_token, model
     return rows
 
 
