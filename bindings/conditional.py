@@ -24,7 +24,7 @@ from cuda.bindings import driver, nvrtc
 from cuda.bindings import runtime as cudart
 
 from .capture import CaptureMode, CaptureStatus, exchange_capture_mode
-from .errors import check, check_driver
+from .errors import check, check_driver, values_of
 from .graph import _EDGES_TAKE_DATA, Graph
 from .streams import StreamLike, stream_handle
 
@@ -213,4 +213,4 @@ def _nvrtc(result, call: str):
     err = result[0]
     if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
         raise RuntimeError(f"{call}: {err.name}")
-    return result[1] if len(result) == 2 else None
+    return values_of(result)

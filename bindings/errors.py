@@ -50,6 +50,12 @@ def check(result, call: str = ""):
     if err != _SUCCESS:
         clear_last_error()
         raise CudaError(err, call)
+    return values_of(result)
+
+
+def values_of(result):
+    """What follows the status in a cuda.bindings result tuple: ``None`` for nothing, the
+    value for one, a tuple for several."""
     if len(result) == 1:
         return None
     if len(result) == 2:
@@ -75,4 +81,4 @@ def check_driver(result, call: str = ""):
         _, name = driver.cuGetErrorName(err)
         _, text = driver.cuGetErrorString(err)
         raise CudaError(err, call, name=(name or b"").decode() or None, text=(text or b"").decode() or None)
-    return result[1] if len(result) == 2 else None
+    return values_of(result)

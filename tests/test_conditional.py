@@ -12,7 +12,7 @@ import breakgraph as bg
 import breakgraph_bindings as bindings
 from breakgraph.base import context
 from breakgraph.base.options import CaptureOptions
-from breakgraph.recording import conditional
+from breakgraph.recording import body_watch
 from breakgraph.recording.recorder import Recorder
 
 
@@ -119,9 +119,9 @@ def test_a_driver_too_old_for_a_conditional_node_is_refused_naming_the_release(m
 def test_what_needs_the_host_is_named_before_cuda_sees_it():
     aten, gpu = torch.ops.aten, torch.device("cuda")
     x = torch.ones(3)
-    assert "a copy between the host and the GPU" in conditional._host_work(aten._to_copy.default, (x,), {"device": gpu})
-    assert conditional._host_work(aten._to_copy.default, (x,), {"dtype": torch.half}) is None
-    assert conditional._host_work(aten.nonzero.default, (x,), {}) is None  # CPU tensors sync no GPU
+    assert "a copy between the host and the GPU" in body_watch.needs_the_host(aten._to_copy.default, (x,), {"device": gpu})
+    assert body_watch.needs_the_host(aten._to_copy.default, (x,), {"dtype": torch.half}) is None
+    assert body_watch.needs_the_host(aten.nonzero.default, (x,), {}) is None  # CPU tensors sync no GPU
 
 
 def test_synchronize_is_refused_only_on_threads_capturing_a_body_and_restored_after_the_last():
@@ -134,14 +134,14 @@ def test_synchronize_is_refused_only_on_threads_capturing_a_body_and_restored_af
             return bg.UncapturableOpError(what)
 
     def first():
-        with conditional._synchronize_refusal.during(Watch()):
+        with body_watch.synchronize_refusal.during(Watch()):
             inside.set()
             leave_first.wait(10)
 
     thread = threading.Thread(target=first)
     thread.start()
     inside.wait(10)
-    with conditional._synchronize_refusal.during(Watch()):
+    with body_watch.synchronize_refusal.during(Watch()):
         leave_first.set()
         thread.join(10)  # the first thread leaves while this one still captures
         try:
