@@ -37,9 +37,9 @@ class ActiveCapture(Protocol):
         begin the next segment; in a full-graph capture, record ``inline`` (a capturable
         variant, or True for ``function`` itself) inside the open segment instead."""
 
-    def random_op(self, op: Callable, args: tuple, kwargs: dict) -> Any:
-        """Run a random op the op watch met inside a segment: in a segment torch records,
-        or as an eager break."""
+    def random_op(self, op: Callable, call: Callable, args: tuple, kwargs: dict) -> Any:
+        """Run a random op the op watch met inside a segment: in a segment torch records
+        (``call`` runs ``op`` below the watch), or as an eager break."""
 
     branches_on_device: bool
     """Whether ``cond`` and ``while_loop`` become conditional nodes (False: debug mode runs

@@ -18,7 +18,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from breakgraph.base import trees
-from breakgraph.recording.dispatch import OpKind, UncapturableOpError, is_collective, op_kind, touches_cuda
+from breakgraph.recording.dispatch import UncapturableOpError, is_collective
+from breakgraph.recording.op_watch import OpKind, op_kind, touches_cuda
 
 _aten = torch.ops.aten
 # Indexing with a boolean mask counts the mask's True values on the host (nonzero) inside

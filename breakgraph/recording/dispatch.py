@@ -1,16 +1,9 @@
-"""What a capture does with single torch ops that cannot be recorded as they are.
+"""What a capture makes of single torch ops that cannot be recorded as they are.
 
-The op watch is a ``TorchDispatchMode``, active only while a segment
-records: it hands every op tagged ``nondeterministic_seeded`` to the capture
-(which records it in a segment torch captures, :mod:`breakgraph.recording.rng`, or
-makes it an eager break with ``random_ops="break"``) and names host-sync ops
-before they reach CUDA. It costs a Python call per op at capture, so it is on
-only where random ops may come: ``random_ops="error"`` and callables whose
-warm-up drew nothing capture without it.
-
-Without it, an op that CUDA or torch refuses during capture (``.item()``,
-``nonzero``, ``print(tensor)``, ``torch.cuda.synchronize()``, a random op)
-fails with the refusal turned into an :class:`UncapturableOpError` that
+The op watch (:mod:`breakgraph.recording.op_watch`) takes random ops and
+names host-sync ops. An op that CUDA or torch refuses where the watch does
+not look (``print(tensor)``, ``torch.cuda.synchronize()``, any op in a capture
+with ``random_ops="error"``) fails with the refusal turned into an :class:`UncapturableOpError` that
 points at the user's line and says how to fix it (:func:`clearer_error`).
 A capture that CUDA invalidated from outside (another thread's device-wide
 synchronize) fails with a :class:`CaptureInvalidatedError` that says so.
@@ -26,19 +19,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import breakgraph_bindings as bindings
-from breakgraph.base.context import ActiveCapture
-
-_aten = torch.ops.aten
-
-# Ops whose CUDA implementation synchronizes with the host: the data decides
-# the output size, or the result is read back to Python.
-_HOST_SYNC_OPS = {
-    _aten._local_scalar_dense.default,
-    _aten.nonzero.default,
-    _aten.masked_select.default,
-    _aten.is_nonzero.default,
-    _aten.equal.default,
-}
 
 # CUDA refusing an operation in a capture; an invalidated capture (_INVALIDATED) is not among them.
 _CAPTURE_VIOLATION = re.compile(
@@ -148,67 +128,6 @@ def clearer_error(error: BaseException, random_ops: str) -> RuntimeError | None:
             error,
         )
     return None
-
-
-class OpKind:
-    """What the op watch makes of an op: :func:`op_kind`."""
-
-    PLAIN, RANDOM, HOST_SYNC = range(3)
-
-
-_kinds: dict = {}
-
-
-def op_kind(func) -> int:
-    """Whether ``func`` draws random numbers, synchronizes with the host (on CUDA tensors), or neither."""
-    kind = _kinds.get(func)
-    if kind is None:
-        if func in _HOST_SYNC_OPS:
-            kind = OpKind.HOST_SYNC
-        elif torch.Tag.nondeterministic_seeded in func.tags:
-            kind = OpKind.RANDOM
-        else:
-            kind = OpKind.PLAIN
-        _kinds[func] = kind
-    return kind
-
-
-def touches_cuda(args, kwargs) -> bool:
-    """Whether any tensor argument is on a GPU (a host-sync op on CPU tensors syncs nothing)."""
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor) and value.is_cuda:
-            return True
-    return False
-
-
-class CaptureDispatchMode(TorchDispatchMode):
-    """The op watch, active for the whole capture; it acts only while a segment records.
-
-    Random ops go to the capture (:meth:`ActiveCapture.random_op`), which
-    records them in a segment torch captures, or makes them eager breaks;
-    host-sync ops are named before they reach CUDA.
-    """
-
-    def __init__(self, capture: ActiveCapture):
-        super().__init__()
-        self.capture = capture
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        capture = self.capture
-        if not capture.segment_open:  # inside an eager break: plain eager semantics
-            return func(*args, **kwargs)
-        kind = op_kind(func)
-        if kind == OpKind.RANDOM:
-            return capture.random_op(func, args, kwargs)
-        if kind == OpKind.HOST_SYNC and touches_cuda(args, kwargs):
-            raise uncapturable(f"{func} (it synchronizes the GPU with the host)")
-        try:
-            return func(*args, **kwargs)
-        except RuntimeError as error:
-            if is_capture_violation(error):
-                raise uncapturable(str(func), error) from error
-            raise
 
 
 # Ops of torch.distributed that issue no collective of their own: the end of one, and a wrapper.

@@ -20,7 +20,8 @@ import breakgraph_bindings as bindings
 from breakgraph.base import context, runtime
 from breakgraph.recording import rng, streams
 from breakgraph.recording.breaks import record_break, warn_kept_allocations
-from breakgraph.recording.dispatch import BarrierBeforeCollectives, CaptureDispatchMode, UncapturableOpError, is_capture_violation
+from breakgraph.recording.dispatch import BarrierBeforeCollectives, UncapturableOpError, is_capture_violation
+from breakgraph.recording.op_watch import watch_ops
 from breakgraph.base.naming import function_name
 from breakgraph.base.options import CaptureOptions
 from breakgraph.base.pool import PoolUsage, captures_running
@@ -186,15 +187,15 @@ class Recorder:
         if self.peers is not None and not watch.collectives:
             self.peers.found_quiet(function)
 
-    def random_op(self, op: Callable, args: tuple, kwargs: dict) -> Any:
+    def random_op(self, op: Callable, call: Callable, args: tuple, kwargs: dict) -> Any:
         """A random op the op watch met inside a segment: an eager break with
-        ``random_ops="break"``; otherwise recorded by torch, the segment going on in a
-        torch capture from this op if it was not in one already."""
+        ``random_ops="break"``; otherwise recorded by torch (``call`` runs it below the
+        watch), the segment going on in a torch capture from this op if it was not in one already."""
         if self.options.random_ops == "break":
             return self.run_break(op, args, kwargs, name=f"random {op}")
         if self.torch_capture is None:
             self._go_on_in_torch_capture(str(op))
-        return op(*args, **kwargs)
+        return call(*args, **kwargs)
 
     def _go_on_in_torch_capture(self, what: str) -> None:
         """End the segment at ``what``, the first random op in it, and go on in one that torch
@@ -282,7 +283,7 @@ class Recorder:
             scope.callback(self.tracker.capture_ended)  # after the last segment's capture has ended
             scope.callback(context.deactivate, context.activate(self))
             if watch:
-                scope.enter_context(CaptureDispatchMode(self))
+                scope.enter_context(watch_ops(self))
             self.begin_segment()
         except BaseException:
             self.abort()

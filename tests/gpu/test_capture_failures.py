@@ -6,6 +6,7 @@ import torch
 
 import breakgraph_bindings as bindings
 import breakgraph as bg
+from breakgraph.recording import op_watch
 from tests.helpers import check_against_eager, softmax_eager
 
 DEV = "cuda"
@@ -94,13 +95,19 @@ def test_failure_at_segment_boundary_leaves_nothing_behind(monkeypatch, which):
         (lambda x: print(x), "cannot be captured"),
     ],
 )
-def test_capture_illegal_op_raises_clear_error(illegal, words):
+@pytest.mark.parametrize("watch", ["dispatch key", "dispatch mode", "none"])
+def test_capture_illegal_op_raises_clear_error(monkeypatch, illegal, words, watch):
+    if watch == "dispatch mode":  # the watch where this torch has no dispatch key to lend it
+        monkeypatch.setattr(op_watch._key_watch, "available", lambda: False)
+    else:  # also after a test compiled with torch.compile in this process
+        monkeypatch.setattr(op_watch, "dynamo_compiled", lambda: False)
+    options = {"random_ops": "error"} if watch == "none" else {}
     caller = torch.cuda.current_stream()
     graph = bg.BreakableCUDAGraph()
+    x = torch.randn(4, 8, device=DEV)
     with pytest.raises(bg.UncapturableOpError) as info:
-        with bg.BreakableCUDAGraphCapture(graph):
-            x = torch.randn(4, 8, device=DEV) * 2
-            illegal(x)
+        with bg.BreakableCUDAGraphCapture(graph, **options):
+            illegal(x * 2)
     message = str(info.value)
     assert words in message and "@breakgraph.eager_on_graph" in message
     _assert_clean_state(caller)

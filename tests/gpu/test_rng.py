@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import breakgraph as bg
-from breakgraph.recording import recorder, rng
+from breakgraph.recording import op_watch, recorder, rng
 from tests.helpers import assert_close, poison_
 
 DEV = "cuda"
@@ -41,7 +41,12 @@ def capture(fn, *args, **kwargs):
     return graph, out
 
 
-def test_random_ops_are_captured_with_no_extra_breaks_and_draw_fresh_numbers():
+@pytest.mark.parametrize("watch", ["dispatch key", "dispatch mode"])
+def test_random_ops_are_captured_with_no_extra_breaks_and_draw_fresh_numbers(monkeypatch, watch):
+    if watch == "dispatch mode":  # the watch where this torch has no dispatch key to lend it
+        monkeypatch.setattr(op_watch._key_watch, "available", lambda: False)
+    else:  # also after a test compiled with torch.compile in this process
+        monkeypatch.setattr(op_watch, "dynamo_compiled", lambda: False)
     x = torch.ones(N, device=DEV)
     graph, out = capture(noisy_region, x)
     assert graph.num_eager_breaks == 1 and graph.num_graphs == 2  # only the softmax break
@@ -417,22 +422,22 @@ def test_a_training_step_with_dropout_is_bit_exact_against_eager_over_ten_steps(
             assert torch.equal(p, q), (p - q).abs().max().item()
 
 
-def watched_ops(monkeypatch) -> list:
-    """Every op the op watch is handed from now on."""
-    from breakgraph.recording.dispatch import CaptureDispatchMode
+def watching_captures(monkeypatch) -> list:
+    """Every capture that switches the op watch on from now on."""
+    from breakgraph.recording import recorder
 
-    seen, watch = [], CaptureDispatchMode.__torch_dispatch__
+    seen, watch_ops = [], recorder.watch_ops
 
-    def counting(self, func, types, args=(), kwargs=None):
-        seen.append(func)
-        return watch(self, func, types, args, kwargs)
+    def counting(capture):
+        seen.append(capture)
+        return watch_ops(capture)
 
-    monkeypatch.setattr(CaptureDispatchMode, "__torch_dispatch__", counting)
+    monkeypatch.setattr(recorder, "watch_ops", counting)
     return seen
 
 
 def test_a_callable_whose_warm_up_draws_nothing_is_captured_without_the_op_watch(monkeypatch):
-    seen = watched_ops(monkeypatch)
+    seen = watching_captures(monkeypatch)
     x = torch.randn(4, 8, device=DEV)
     plain = bg.graphed(lambda t: softmax_eager(t * 2) + 1, x)
     assert plain.draws_random_numbers is False and not plain.graph.draws_random_numbers and not seen
