@@ -103,6 +103,17 @@ def test_capture_refuses_keys_the_runner_does_not_have():
         runner.capture(keys="a")
 
 
+def test_capture_refuses_sizes_the_runner_does_not_have():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        runner = bg.GraphRunner(lambda x, key: x, torch.zeros(8, 2), {"a": [1, 4], "b": [2, 8]}, keys=["a", "b"], key_fn=lambda x: ["a"])
+    with pytest.raises(ValueError, match=r"sizes \[2\] are not this runner's; its sizes are \[1, 4\]"):
+        runner.capture(keys=["a"], sizes=[4, 2])
+    with pytest.raises(TypeError, match="sizes must be a list of this runner's batch sizes, got 4"):
+        runner.capture(sizes=4)
+    runner.capture(sizes=[2, 4])  # each key captures those of its sizes
+
+
 def test_memory_planning_arguments_are_checked_and_need_a_gpu_where_they_touch_one():
     with pytest.raises(TypeError, match="share_executables must be True or False"):
         bg.GraphRunner(lambda x: x, torch.zeros(4, 2), share_executables="yes")

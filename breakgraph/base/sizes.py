@@ -74,6 +74,16 @@ def known_keys(keys: Sequence[Hashable], known: list) -> list:
     return list(keys)
 
 
+def known_sizes(sizes: Sequence[int], known: Sequence[int]) -> list[int]:
+    """``sizes`` as a list, once each is one of ``known`` (the runner's sizes, of any key)."""
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, (list, tuple, range)):
+        raise TypeError(f"sizes must be a list of this runner's batch sizes, got {sizes!r}")
+    unknown = [size for size in sizes if size not in known]
+    if unknown:
+        raise ValueError(f"sizes {unknown} are not this runner's; its sizes are {sorted(set(known))}")
+    return list(sizes)
+
+
 def sizes_by_key(capture_sizes, keys: list, modes: dict, max_size: int) -> dict[Hashable, list[int]]:
     """Each key's batch sizes, checked: one list for all keys, or a dict with every key."""
     if capture_sizes is None:

@@ -38,6 +38,7 @@ class RunnerMemory:
         self.refusals: dict[KeySize, list[Refusal]] = {}
         self.released: Released | None = None
         self.while_released = "eager"
+        self._captured_before: list[KeySize] = []  # what a release of everything let go, captured again on restore
 
     @property
     def pool(self) -> torch.cuda.MemPool | None:
@@ -106,19 +107,21 @@ class RunnerMemory:
             graphed.graph.release_executables()
 
     def _release_everything(self) -> None:
+        self._captured_before = list(self.policy.graphed)
         self.policy.forget()
         self.refusals.clear()
         self._pool = None  # a MemPool gives its cached blocks back as it dies
 
-    def restore(self, capture_all: Callable[[], object]) -> dict:
-        """Instantiate the kept graphs again, or capture everything again (``capture_all``)."""
+    def restore(self, capture: Callable[[list[KeySize]], object]) -> dict:
+        """Instantiate the kept graphs again, or capture again (``capture(pairs)``) the (key,
+        size) pairs that were captured before the release."""
         if self.released is None:
             raise RuntimeError("this GraphRunner is not released: nothing to restore")
         if self.released is Released.EXECUTABLES:
             taken_bytes, seconds = _measured(self._restore_executables)
         else:
-            self.released = None  # capture_all captures only while nothing is released
-            taken_bytes, seconds = _measured(capture_all)
+            self.released = None  # capture captures only while nothing is released
+            taken_bytes, seconds = _measured(lambda: capture(self._captured_before))
         return {"taken_bytes": taken_bytes, "seconds": seconds}
 
     def _restore_executables(self) -> None:

@@ -21,7 +21,7 @@ from breakgraph.serving.policy import CapturePolicy
 from breakgraph.base.progress import progress_bar
 from breakgraph.serving.rank_group import RankGroup
 from breakgraph.graphs.sharing import Refusal
-from breakgraph.base.sizes import by_key_and_size, checked_keys, choose_size, known_keys, sizes_by_key
+from breakgraph.base.sizes import by_key_and_size, checked_keys, choose_size, known_keys, known_sizes, sizes_by_key
 
 log = logging.getLogger("breakgraph.runner")
 
@@ -118,23 +118,33 @@ class GraphRunner:
         return self._memory.refusals
 
     # -- capture ----------------------------------------------------------------------
-    def capture(self, keys: Sequence[Hashable] | None = None) -> "GraphRunner":
+    def capture(self, keys: Sequence[Hashable] | None = None, sizes: Sequence[int] | None = None) -> "GraphRunner":
         """Capture every (key, size), largest size first, into one shared memory pool.
         With ``lazy=True`` this only prepares the pool: sizes are captured on first use.
 
         Arguments:
             keys (sequence of keys, optional): capture only these keys' sizes now (the
                 others by a later call, or on first use); default: every key.
+            sizes (sequence of int, optional): capture only these of the keys' sizes now
+                (a size a key does not have is skipped); default: every size.
         """
         wanted = self.keys if keys is None else known_keys(keys, self.keys)
+        chosen = None if sizes is None else set(known_sizes(sizes, [size for key in wanted for size in self.sizes_by_key[key]]))
         if self.eager_reason is not None:
             return self
         self.inputs.require_cuda()
-        pool = self._memory.ensure_pool()
+        self._memory.ensure_pool()
         if self.options.lazy:
             return self
-        work = sorted(((key, size) for key in wanted for size in self.sizes_by_key[key]), key=lambda item: -item[1])
-        work = [(key, size) for key, size in work if not self._policy.done(key, size)]
+        self._capture_each([(key, size) for key in wanted for size in self.sizes_by_key[key] if chosen is None or size in chosen])
+        return self
+
+    def _capture_each(self, work: list[tuple[Hashable, int]]) -> None:
+        """Capture the (key, size) pairs of ``work`` not captured yet, largest size first."""
+        work = sorted((item for item in work if not self._policy.done(*item)), key=lambda item: -item[1])
+        if not work:
+            return
+        pool = self._memory.ensure_pool()
         with progress_bar(len(work), self.options.progress) as advance:
             # Tensor-parallel ranks capture every size under one agreement, and only where that
             # fails, each size under its own, where a failure is retried or served eagerly.
@@ -144,7 +154,6 @@ class GraphRunner:
                     self._policy.capture(key, size, pool)
                     advance()
         self._memory.share_among_sizes()
-        return self
 
     # -- dispatch ------------------------------------------------------------------------
     def select(self, n: int, candidates: Sequence[Hashable] = (None,)) -> tuple[Hashable, int] | None:
@@ -266,9 +275,9 @@ class GraphRunner:
 
     def restore(self) -> dict:
         """Bring back what :meth:`release` gave up: instantiate the kept graphs again, or
-        capture again; replays then match those before the release. Returns the device
+        capture again the sizes that were captured; replays then match those before the release. Returns the device
         memory taken (``cudaMemGetInfo``) and the seconds it took."""
-        return self._memory.restore(self.capture)
+        return self._memory.restore(self._capture_each)
 
     # -- report --------------------------------------------------------------------------
     def report(self, print_table: bool = True) -> dict:

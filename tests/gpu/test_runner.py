@@ -174,6 +174,23 @@ def test_lazy_runner_captures_each_size_on_first_use():
 
 
 @torch.no_grad()
+def test_capturing_some_sizes_leaves_the_others_to_first_use_and_restore_captures_what_was_captured():
+    torch.manual_seed(0)
+    model = TinyTransformer(dim=64, heads=4, layers=2).to(DEV).eval()
+    runner = bg.GraphRunner(model, torch.zeros(8, 8, 64, device=DEV), [1, 2, 4, 8], progress=False).capture(sizes=[4])
+    assert list(runner.graphs) == [(None, 4)]
+    x = torch.randn(2, 8, 64, device=DEV)
+    assert_close(runner(x), model(x), 1e-4, 1e-4)  # size 2, captured on this call
+    assert sorted(runner.graphs) == [(None, 2), (None, 4)]
+    runner.release()
+    runner.restore()
+    assert sorted(runner.graphs) == [(None, 2), (None, 4)]
+    for n in (2, 3):
+        x = torch.randn(n, 8, 64, device=DEV)
+        assert_close(runner(x), model(x), 1e-4, 1e-4)
+
+
+@torch.no_grad()
 def test_modes_route_uniform_batches_to_full_graphs_and_mixed_ones_to_breakable_graphs():
     ran_eagerly = []
 
