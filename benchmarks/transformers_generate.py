@@ -34,7 +34,8 @@ Reported per variant and batch size:
 - *cold generation*: the wall time of the first ``generate()`` of
   ``--new`` tokens in the fresh process, from a loaded model: torch.compile's
   compile and breakgraph's capture are in it (the capture also on its own,
-  ``capture_s``), and so is every first use of a shape (a kernel library
+  ``capture_s``: the runner's capture time for the size the call captured,
+  its eager warm-up included), and so is every first use of a shape (a kernel library
   may prepare its kernel for each new shape: cuDNN's attention builds a
   plan; breakable attention meets a new key length at every step). Its
   tokens/s: ``batch * new`` over it;

@@ -37,10 +37,10 @@ SAMPLING = {"do_sample": True, "temperature": 0.7, "top_k": 50, "top_p": 0.9}
 
 
 def generator_for(variant: str, model, batch: int, max_length: int):
-    """``(generate, capture, background)``: ``generate(input_ids, new_tokens) -> tokens`` the
-    variant's way; breakgraph's capture, timed apart inside the cold generation (None for
-    transformers' paths, whose compile happens inside their first ``generate``); and the Generator
-    that compiles in the background (None where none does)."""
+    """``(generate, capture_seconds, background)``: ``generate(input_ids, new_tokens) -> tokens``
+    the variant's way; ``capture_seconds()``, what breakgraph's captures took so far, which the
+    first ``generate`` makes (None for transformers' paths, whose compile happens inside their
+    first ``generate``); and the Generator that compiles in the background (None where none does)."""
     if variant in ("eager", "compile"):
         return model_generate(model, static_cache=variant == "compile"), None, None
     mode, _, how = variant.partition("_")
@@ -51,13 +51,18 @@ def generator_for(variant: str, model, batch: int, max_length: int):
         compile_in_background=in_background,
     )
     background = generator if in_background else None
+    runner = generator.sampling_runner if how == "sampling" else generator.runner
+
+    def capture_seconds():
+        return sum(row["capture_ms"] for row in runner.report(print_table=False)["rows"]) / 1000
+
     if how != "sampling":
-        return generator.generate, generator.capture, background
+        return generator.generate, capture_seconds, background
 
     def generate(ids, new):
         return generator.generate(ids, new, **SAMPLING)
 
-    return generate, lambda: generator.capture(sampling=True), background
+    return generate, capture_seconds, background
 
 
 def measure_one(variant: str, model, batch: int, prompt: int, new: int, repeats: int) -> dict:
@@ -69,11 +74,11 @@ def measure_one(variant: str, model, batch: int, prompt: int, new: int, repeats:
     ids = prompts(batch, prompt, model.config.vocab_size, seed=batch)
     torch.cuda.synchronize()
     started = time.perf_counter()
-    generate, capture, background = generator_for(variant, model, batch, prompt + new)
-    capture_s = timed(capture)[0] if capture is not None else None
+    generate, capture_seconds, background = generator_for(variant, model, batch, prompt + new)
     generate(ids, new)  # the first generation: every compile, capture and first use of a shape is in it
     torch.cuda.synchronize()
     cold = time.perf_counter() - started
+    capture_s = capture_seconds() if capture_seconds is not None else None
     compiled_s = compiling_tok_s = None
     if background is not None:
         served = []

@@ -217,13 +217,17 @@ def held_compile_in_background():
 
 
 @pytest.mark.filterwarnings("ignore:breakgraph. no CUDA GPU")
-def test_a_step_not_captured_yet_waits_for_the_background_compile_then_captures_compiled():
+def test_a_step_or_size_not_captured_yet_decodes_eagerly_beside_the_background_compile_and_capture_waits_for_it():
     gen, started, release = held_compile_in_background()
     ids = torch.randint(0, 300, (2, 6))
-    gen.generate(ids, 2)  # the greedy step; the compile starts as it returns
+    greedy = gen.generate(ids, 4)  # the greedy step; the compile starts as it returns
     assert started.wait(timeout=60)
+    # A step, or a batch size, to capture: CUDA would refuse its capture beside the compile, so it decodes eagerly.
+    assert torch.equal(gen.generate(ids, 4, do_sample=True, top_k=1), greedy)
+    assert torch.equal(gen.generate(ids[:1], 4), greedy[:1])
+    assert not release.is_set() and gen.compiling and not gen.compiled
     threading.Timer(0.5, release.set).start()
-    gen.generate(ids, 2, do_sample=True)  # a sampling step to capture: CUDA would refuse it beside the compile
+    gen.capture(sampling=True)  # waits for the compile, takes it, and captures compiled
     assert release.is_set() and gen.compiled and not gen.compiling
 
 

@@ -36,10 +36,11 @@ class Generator:
     tokens (prompt and generated). Prefill runs eagerly; every later token
     comes from one replay of the graph captured for the smallest batch size
     that fits, or eagerly for a batch above the largest captured size.
-    Greedy decoding and sampling are two steps with graphs of their own: the
-    greedy step's are captured on the first greedy :meth:`generate`, the
-    sampling step's on the first that samples, or either by :meth:`capture`.
-    The sampling step has two variants, each captured on its first use: one
+    Greedy decoding and sampling are two steps with graphs of their own. A
+    :meth:`generate` captures its step at the batch size it needs where that
+    size is not captured yet, before its prefill; the other sizes wait for the
+    calls that need them, or for :meth:`capture`, which captures every size of
+    a step. The sampling step has two variants, each captured on its first use: one
     draws among the ``hf.CANDIDATES`` highest scores (where top-k keeps no
     more: transformers' default top_k of 50 does), the other sorts the
     vocabulary.
@@ -67,9 +68,10 @@ class Generator:
             (on a cache and inputs of its own: a second cache's memory while it runs), the
             uncompiled graphs serving meanwhile; the first :meth:`generate` after the compile
             ended (or :meth:`wait_for_compile`) captures the compiled step. The compile holds
-            Python's GIL for most of its time, so generation runs slower while it does. A
-            capture of a step not captured yet waits for it: CUDA refuses another thread's
-            allocations during a capture. Refused for a tensor-parallel model, whose compile's
+            Python's GIL for most of its time, so generation runs slower while it does. While
+            it runs, a call whose batch size (or step) is not captured yet decodes eagerly, and
+            :meth:`capture` waits for it: CUDA refuses another thread's allocations during a
+            capture. Refused for a tensor-parallel model, whose compile's
             collectives would run beside the served step's.
 
     ``runner`` is the greedy step's :class:`~breakgraph.GraphRunner` (``report()``, ``memory()``,
@@ -176,8 +178,8 @@ class Generator:
         return [self._sampling_key]
 
     def capture(self, sampling: bool = False) -> Generator:
-        """Capture every batch size of a step now, rather than on the first :meth:`generate` that
-        needs it.
+        """Capture every batch size of a step now, rather than each on the first :meth:`generate`
+        that needs it.
 
         Arguments:
             sampling (bool, default False): capture the sampling step's graphs, both
@@ -257,13 +259,16 @@ class Generator:
                 "generate()'s prompts (batch, length, attention_mask), max_new_tokens, do_sample (and top_k's variant) "
                 "and return_logits",
             )
-        self._lifecycle.capture([step])  # before the prefill: capturing runs the step, which writes cache slots
+        # Before the prefill: capturing runs the step, which writes cache slots. Only the size this
+        # call needs; it decodes eagerly above every size, and at a size not captured yet while a
+        # background compile runs.
+        graphs_serve = self._lifecycle.capture([step], rows=len(lengths), wait=False)
         if settings.do_sample:
             self._sampling_key = step
         input_ids = input_ids.to(self.device)
         end = EndTokens.resolve(self.model.generation_config, eos_token_id, pad_token_id)
         with self._lifecycle.drawing_from(generator, ranks) if settings.do_sample else contextlib.nullcontext():
-            tokens, logits = self._new_tokens(input_ids, lengths, max_new_tokens, end, return_logits, settings)
+            tokens, logits = self._new_tokens(input_ids, lengths, max_new_tokens, end, return_logits, settings, graphs_serve)
         tokens = end.pad_after_stop(tokens)
         out = torch.cat([input_ids, tokens], dim=1)
         self._start_due_compile()  # once this call's tokens are made: the compile would slow them (see compile_in_background)
@@ -271,19 +276,23 @@ class Generator:
 
     def _new_tokens(
         self, input_ids: torch.Tensor, prompt_lengths: list[int], max_new_tokens: int, end: EndTokens, keep_logits: bool,
-        settings: Sampling,
+        settings: Sampling, graphs_serve: bool,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Up to ``max_new_tokens`` tokens per row (the prefill's, then one per decode step, until
-        every row has ended), and their logits if ``keep_logits``."""
+        every row has ended), and their logits if ``keep_logits``; the decode steps replay the
+        runner's graphs, or run eagerly where ``graphs_serve`` is False."""
         tokens = torch.empty(input_ids.shape[0], max_new_tokens, dtype=torch.long, device=self.device)
         first = self._model_forward.prefill(self.cache, input_ids, prompt_lengths)
         if settings.do_sample:
             rows = settings.rows(input_ids.shape[0], self.device)
             tokens[:, 0] = sample(first, **rows, generator=self._draws.generator, candidates=candidates(self._sampling_key))
-            decode = functools.partial(self.sampling_runner, **rows)
+            if graphs_serve:
+                decode = functools.partial(self.sampling_runner, **rows)
+            else:
+                decode = functools.partial(self._sampling_step, **rows, key=self._sampling_key)
         else:
             tokens[:, 0] = first.argmax(-1)
-            decode = self.runner
+            decode = self.runner if graphs_serve else self._decode_step
         logits = [first] if keep_logits else []
         positions = torch.tensor(prompt_lengths, device=self.device)
         for step in range(1, max_new_tokens):

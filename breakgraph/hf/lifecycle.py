@@ -85,7 +85,8 @@ class CaptureLifecycle:
             self.phase = CompilePhase.UNCOMPILED
         else:
             self.phase = CompilePhase.WAITING if in_background else CompilePhase.AHEAD
-        self.captured: set[str] = set()
+        self.captured: set[str] = set()  # the steps captured at some size
+        self._sizes_captured: set[tuple[str, int]] = set()
         self.running: RunningCompile | None = None
         # Without a GPU the runners capture nothing: nothing to compile for a capture, nor to capture again.
         self._runs_eagerly = any(runner.eager_reason is not None for runner, _ in self._runners)
@@ -111,27 +112,52 @@ class CaptureLifecycle:
             )
         self.phase = phase
 
-    def capture(self, steps: Iterable[str]) -> None:
-        """Capture every batch size of the steps named that are not captured yet, taking an ended
-        background compile first."""
+    def capture(self, steps: Iterable[str], rows: int | None = None, wait: bool = True) -> bool:
+        """Capture the steps named at the batch size that serves ``rows`` rows (None: at every
+        size), where not captured yet, taking an ended background compile first. A compile
+        still running is waited for (CUDA refuses its thread's allocations while this one
+        captures), unless ``wait`` is False: then nothing is captured, and False returned.
+        True: the steps' graphs serve ``rows`` rows; False: the call serves its steps eagerly
+        (also where ``rows`` is above every captured size)."""
         if self.phase is CompilePhase.RUNNING and self.running.work.finished:
             self.take()
-        missing = [step for step in steps if step not in self.captured]
+        serving = {step: self._sizes_serving(step, rows) for step in steps}
+        if not all(serving.values()):
+            return False
+        missing = []
+        for step, sizes in serving.items():
+            uncaptured = [size for size in sizes if (step, size) not in self._sizes_captured]
+            if uncaptured:
+                missing.append((step, uncaptured))
         if not missing:
-            return
+            return True
         if self.phase is CompilePhase.RUNNING:
+            if not wait:
+                return False
             self.take()
         if self.phase is CompilePhase.AHEAD:
             if not self._runs_eagerly:
                 self.compile.ahead()
             self._enter(CompilePhase.SERVING)
-        for step in missing:
+        for step, sizes in missing:
             runner = self._runner_of[step]
             with torch.inference_mode():
-                runner.capture(keys=[step] if step in runner.keys else None)  # a runner without keys serves one step
+                runner.capture(keys=[step] if step in runner.keys else None, sizes=sizes)  # a runner without keys serves one step
             self.captured.add(step)
+            self._sizes_captured.update((step, size) for size in sizes)
         if self.phase is CompilePhase.WAITING:
             self._enter(CompilePhase.DUE)
+        return True
+
+    def _sizes_serving(self, step: str, rows: int | None) -> list[int]:
+        """The sizes of ``step`` that serve ``rows`` rows: the smallest that fits, none where none
+        does; every size for None."""
+        runner = self._runner_of[step]
+        key = step if step in runner.keys else None
+        if rows is None:
+            return runner.sizes_by_key[key]
+        chosen = runner.select(rows, [key])
+        return [] if chosen is None else [chosen[1]]
 
     def start(self) -> None:
         """Start the compile that is due, in a thread of its own. Dynamo sets the default generators
@@ -171,13 +197,12 @@ class CaptureLifecycle:
             self._capture_again()
 
     def _capture_again(self) -> None:
-        """Capture again, now compiled, every runner that captured a step."""
+        """Capture again, now compiled, every size of every runner that captured a step."""
         for runner, steps in self._runners:
             if self.captured & steps and not runner.released:  # a runner released by its user captures on restore()
                 runner.release()
                 with torch.inference_mode():
-                    runner.restore()  # every step it serves: capture() captures all of a runner's keys
-                self.captured |= steps
+                    runner.restore()  # the sizes it had captured
 
     def drawing_from(self, generator: torch.Generator | None, ranks: RankGroup | None) -> ContextManager[None]:
         """A sampling call's draws from ``generator`` (None: the default one), through the Draws.

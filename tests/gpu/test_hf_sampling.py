@@ -111,21 +111,21 @@ def seeded(seed: int) -> torch.Generator:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_the_sampling_graphs_are_captured_on_first_sampling_use_and_draw_in_the_graph(model, mode):
+def test_each_call_captures_its_step_at_the_size_it_needs_and_the_sampling_graphs_draw_in_the_graph(model, mode):
     generator = hf.Generator(model, max_length=48, max_batch_size=4, mode=mode, progress=False)
     generator.generate(prompts(3), 8)
-    assert sorted(generator.runner.graphs) == [(None, 1), (None, 2), (None, 4)]
+    assert sorted(generator.runner.graphs) == [(None, 4)]  # the size 3 rows need, and no other
+    generator.generate(prompts(1), 8)
+    assert sorted(generator.runner.graphs) == [(None, 1), (None, 4)]
     assert not generator.sampling_runner.graphs  # greedy captured no sampling graph
     assert not any(graph.draws_random_numbers for graph in generator.runner.graphs.values())
     with pytest.raises(ValueError, match="top_p must be in"):
         generator.generate(prompts(3), 8, do_sample=True, top_p=0.0)
     assert not generator.sampling_runner.graphs  # refused before anything was captured
     generator.generate(prompts(3), 8, do_sample=True)  # transformers' default top_k, 50: among the candidates
-    assert sorted(generator.sampling_runner.graphs) == [(AMONG_CANDIDATES, 1), (AMONG_CANDIDATES, 2), (AMONG_CANDIDATES, 4)]
-    generator.generate(prompts(3), 8, do_sample=True, top_k=0, top_p=0.9)  # the other variant, on its first use
-    assert sorted(generator.sampling_runner.graphs) == sorted(
-        (key, size) for key in (AMONG_CANDIDATES, OVER_VOCABULARY) for size in (1, 2, 4)
-    )
+    assert sorted(generator.sampling_runner.graphs) == [(AMONG_CANDIDATES, 4)]
+    generator.generate(prompts(2), 8, do_sample=True, top_k=0, top_p=0.9)  # the other variant, on its first use
+    assert sorted(generator.sampling_runner.graphs) == [(AMONG_CANDIDATES, 4), (OVER_VOCABULARY, 2)]
     assert all(graph.draws_random_numbers for graph in generator.sampling_runner.graphs.values())
     generator.runner.release()
     generator.sampling_runner.release()
