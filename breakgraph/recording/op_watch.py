@@ -90,8 +90,9 @@ class _KeyWatch:
     """The watch as kernels at the dispatch key ``KEY``, for the random and host-sync ops only.
 
     torch reserves the key for tests of the dispatcher and registers nothing at
-    it; its place above autograd means a watched op is seen once, as the user
-    called it (a composite random op is seen again in the random ops it calls).
+    it. It sits above autograd, so a watched op is seen as the user called it,
+    and once: the ops it calls run with the key off. Only the ops registered
+    when the first capture watches are seen: aten's (torch's own).
     """
 
     KEY = "TESTING_ONLY_GenericMode"
