@@ -257,6 +257,16 @@ def test_compile_in_background_needs_a_compile():
 
 
 @pytest.mark.filterwarnings("ignore:breakgraph. no CUDA GPU")
+def test_a_first_call_that_no_size_serves_still_compiles_ahead_before_it_runs():
+    model = small(LlamaForCausalLM, LlamaConfig)
+    gen = generator(model, capture_sizes=[1], max_batch_size=2)
+    ids = torch.randint(0, 300, (2, 6))
+    tokens = gen.generate(ids, 3)  # two rows: above every size, so decoded eagerly
+    assert gen._lifecycle.phase is CompilePhase.SERVING and gen.compiled and not gen._lifecycle.captured
+    assert torch.equal(tokens, generator(model, compile=False, capture_sizes=[1], max_batch_size=2).generate(ids, 3))
+
+
+@pytest.mark.filterwarnings("ignore:breakgraph. no CUDA GPU")
 def test_the_compile_moves_through_its_phases_by_its_transitions_only():
     model = small(LlamaForCausalLM, LlamaConfig)
     ids = torch.randint(0, 300, (2, 6))

@@ -58,7 +58,7 @@ class CaptureLifecycle:
     """The steps captured so far and the phase of the compile, moved by named transitions.
 
     * :meth:`capture` captures steps: in ``AHEAD`` it compiles first (where the
-      runners capture) and moves to ``SERVING``; in ``WAITING`` it captures
+      runners capture) and moves to ``SERVING``, captures or not; in ``WAITING`` it captures
       uncompiled and moves to ``DUE``; in ``RUNNING`` it takes the compile
       first, waiting for it where a step is still to capture (CUDA refuses
       another thread's allocations while one captures).
@@ -121,6 +121,10 @@ class CaptureLifecycle:
         (also where ``rows`` is above every captured size)."""
         if self.phase is CompilePhase.RUNNING and self.running.work.finished:
             self.take()
+        if self.phase is CompilePhase.AHEAD:  # also for a first call that no size serves: it runs the compiled forward
+            if not self._runs_eagerly:
+                self.compile.ahead()
+            self._enter(CompilePhase.SERVING)
         serving = {step: self._sizes_serving(step, rows) for step in steps}
         if not all(serving.values()):
             return False
@@ -135,10 +139,6 @@ class CaptureLifecycle:
             if not wait:
                 return False
             self.take()
-        if self.phase is CompilePhase.AHEAD:
-            if not self._runs_eagerly:
-                self.compile.ahead()
-            self._enter(CompilePhase.SERVING)
         for step, sizes in missing:
             runner = self._runner_of[step]
             with torch.inference_mode():

@@ -142,9 +142,9 @@ class GraphRunner:
     def _capture_each(self, work: list[tuple[Hashable, int]]) -> None:
         """Capture the (key, size) pairs of ``work`` not captured yet, largest size first."""
         work = sorted((item for item in work if not self._policy.done(*item)), key=lambda item: -item[1])
+        pool = self._memory.ensure_pool()  # also with no work: a runner with no pool captures every size on its first call
         if not work:
             return
-        pool = self._memory.ensure_pool()
         with progress_bar(len(work), self.options.progress) as advance:
             # Tensor-parallel ranks capture every size under one agreement, and only where that
             # fails, each size under its own, where a failure is retried or served eagerly.
