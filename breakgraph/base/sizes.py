@@ -66,22 +66,22 @@ def checked_keys(keys: Sequence[Hashable] | None, key_fn: Callable | None) -> tu
 
 def known_keys(keys: Sequence[Hashable], known: list) -> list:
     """``keys`` as a list, once each is one of ``known`` (the runner's)."""
-    if isinstance(keys, (str, bytes)) or not isinstance(keys, (list, tuple)):
-        raise TypeError(f"keys must be a list of this runner's keys, got {keys!r}")
-    unknown = [key for key in keys if key not in known]
-    if unknown:
-        raise ValueError(f"keys {unknown} are not this runner's; its keys are {known}")
-    return list(keys)
+    return _known_to_runner("keys", keys, known, "keys")
 
 
 def known_sizes(sizes: Sequence[int], known: Sequence[int]) -> list[int]:
     """``sizes`` as a list, once each is one of ``known`` (the runner's sizes, of any key)."""
-    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, (list, tuple, range)):
-        raise TypeError(f"sizes must be a list of this runner's batch sizes, got {sizes!r}")
-    unknown = [size for size in sizes if size not in known]
+    return _known_to_runner("sizes", sizes, sorted(set(known)), "batch sizes", (list, tuple, range))
+
+
+def _known_to_runner(name: str, values, known: list, what: str, sequences: tuple = (list, tuple)) -> list:
+    """``values`` (the argument ``name``) as a list, once each is one of ``known``."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, sequences):
+        raise TypeError(f"{name} must be a list of this runner's {what}, got {values!r}")
+    unknown = [value for value in values if value not in known]
     if unknown:
-        raise ValueError(f"sizes {unknown} are not this runner's; its sizes are {sorted(set(known))}")
-    return list(sizes)
+        raise ValueError(f"{name} {unknown} are not this runner's; its {name} are {known}")
+    return list(values)
 
 
 def sizes_by_key(capture_sizes, keys: list, modes: dict, max_size: int) -> dict[Hashable, list[int]]:

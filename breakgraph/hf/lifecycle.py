@@ -85,11 +85,15 @@ class CaptureLifecycle:
             self.phase = CompilePhase.UNCOMPILED
         else:
             self.phase = CompilePhase.WAITING if in_background else CompilePhase.AHEAD
-        self.captured: set[str] = set()  # the steps captured at some size
         self._sizes_captured: set[tuple[str, int]] = set()
         self.running: RunningCompile | None = None
         # Without a GPU the runners capture nothing: nothing to compile for a capture, nor to capture again.
         self._runs_eagerly = any(runner.eager_reason is not None for runner, _ in self._runners)
+
+    @property
+    def captured(self) -> set[str]:
+        """The steps captured at some size."""
+        return {step for step, _size in self._sizes_captured}
 
     @property
     def compiled_forward(self) -> Callable[..., Any] | None:
@@ -143,7 +147,6 @@ class CaptureLifecycle:
             runner = self._runner_of[step]
             with torch.inference_mode():
                 runner.capture(keys=[step] if step in runner.keys else None, sizes=sizes)  # a runner without keys serves one step
-            self.captured.add(step)
             self._sizes_captured.update((step, size) for size in sizes)
         if self.phase is CompilePhase.WAITING:
             self._enter(CompilePhase.DUE)

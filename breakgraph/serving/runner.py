@@ -129,14 +129,17 @@ class GraphRunner:
                 (a size a key does not have is skipped); default: every size.
         """
         wanted = self.keys if keys is None else known_keys(keys, self.keys)
-        chosen = None if sizes is None else set(known_sizes(sizes, [size for key in wanted for size in self.sizes_by_key[key]]))
+        work = [(key, size) for key in wanted for size in self.sizes_by_key[key]]
+        if sizes is not None:
+            chosen = set(known_sizes(sizes, [size for _key, size in work]))
+            work = [(key, size) for key, size in work if size in chosen]
         if self.eager_reason is not None:
             return self
         self.inputs.require_cuda()
-        self._memory.ensure_pool()
         if self.options.lazy:
+            self._memory.ensure_pool()
             return self
-        self._capture_each([(key, size) for key in wanted for size in self.sizes_by_key[key] if chosen is None or size in chosen])
+        self._capture_each(work)
         return self
 
     def _capture_each(self, work: list[tuple[Hashable, int]]) -> None:
