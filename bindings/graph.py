@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import weakref
 from typing import Callable
 
 import cuda.bindings
@@ -32,29 +31,56 @@ def _add_dependencies(
     return cudart.cudaGraphAddDependencies(graph, sources, targets, len(sources))
 
 
-def _destroy_quietly(destroy, handle) -> None:
-    # Runs from a finalizer, possibly at interpreter exit after the context is
-    # gone: a failure here has nobody to report to.
-    try:
-        destroy(handle)
-    except Exception:  # pragma: no cover - interpreter shutdown
-        pass
+class _Owned:
+    """A handle destroyed exactly once: by :meth:`destroy`, or when the object dies.
+
+    ``__del__`` rather than ``weakref.finalize``: a capture makes two of these per
+    segment, and a finalizer costs several microseconds to register. At interpreter
+    exit Python finalizes objects before the CUDA runtime unloads, and a failure
+    then has nobody to report to.
+    """
+
+    __slots__ = ("handle", "_owned")
+    _destroy: Callable  # the raw cudaGraphDestroy or cudaGraphExecDestroy
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+        self._owned = True
+
+    def destroy(self) -> None:
+        """Destroy now rather than when the object dies; later calls do nothing."""
+        if self._owned:
+            self._owned = False
+            type(self)._destroy(self.handle)
+
+    def __del__(self) -> None:
+        try:
+            self.destroy()
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+
+    @property
+    def alive(self) -> bool:
+        """Whether the handle has not been destroyed."""
+        return self._owned
 
 
-class Graph:
+class Graph(_Owned):
     """An owned ``cudaGraph_t`` (what a capture produced)."""
 
+    __slots__ = ("_borrowed",)
+    _destroy = staticmethod(cudart.cudaGraphDestroy)
+
     def __init__(self, handle: cudart.cudaGraph_t):
-        self.handle = handle
-        self._finalizer = weakref.finalize(self, _destroy_quietly, cudart.cudaGraphDestroy, handle)
+        super().__init__(handle)
+        self._borrowed = False
 
     @classmethod
     def borrowed(cls, handle: int) -> "Graph":
         """A ``cudaGraph_t`` another owner destroys (torch's ``CUDAGraph``): counted, printed
         and instantiated here, never destroyed."""
-        graph = cls.__new__(cls)
-        graph.handle = cudart.cudaGraph_t(init_value=int(handle))
-        graph._finalizer = None
+        graph = cls(cudart.cudaGraph_t(init_value=int(handle)))
+        graph._owned, graph._borrowed = False, True
         return graph
 
     @property
@@ -94,15 +120,10 @@ class Graph:
         flags = cudart.cudaGraphDebugDotFlags.cudaGraphDebugDotFlagsVerbose if verbose else 0
         check(cudart.cudaGraphDebugDotPrint(self.handle, os.fsencode(path), int(flags)), "cudaGraphDebugDotPrint")
 
-    def destroy(self) -> None:
-        """Destroy now rather than at garbage collection; later calls do nothing (nor does
-        any call on a borrowed graph)."""
-        if self._finalizer is not None:
-            self._finalizer()
-
     @property
     def alive(self) -> bool:
-        return self._finalizer is None or self._finalizer.alive
+        """Whether the handle is still valid: owned and not destroyed, or borrowed."""
+        return self._owned or self._borrowed
 
 
 class GraphUpdateRefused(CudaError):
@@ -114,12 +135,11 @@ class GraphUpdateRefused(CudaError):
         self.reason = reason
 
 
-class GraphExec:
+class GraphExec(_Owned):
     """An owned ``cudaGraphExec_t``."""
 
-    def __init__(self, handle: cudart.cudaGraphExec_t):
-        self.handle = handle
-        self._finalizer = weakref.finalize(self, _destroy_quietly, cudart.cudaGraphExecDestroy, handle)
+    __slots__ = ()
+    _destroy = staticmethod(cudart.cudaGraphExecDestroy)
 
     def launch(self, stream: StreamLike) -> None:
         """Launch on ``stream`` (``cudaGraphLaunch``)."""
@@ -140,13 +160,6 @@ class GraphExec:
             reason = info.result.name.removeprefix("cudaGraphExecUpdate") if info is not None else CudaError(err).name
             raise GraphUpdateRefused(err, "cudaGraphExecUpdate", "", reason)
 
-    def destroy(self) -> None:
-        """Destroy now rather than at garbage collection; later calls do nothing."""
-        self._finalizer()
-
-    @property
-    def alive(self) -> bool:
-        return self._finalizer.alive
 
 
 def launch_function() -> GraphLaunch:
