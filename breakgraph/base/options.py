@@ -9,6 +9,7 @@ option is checked the same way with and without a GPU.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Mapping, TypeVar
 
@@ -30,6 +31,12 @@ MODES = ("breakable", "full", "none")
 """A runner key's graph mode: breaks eager between segments, breaks inline in one full graph, or no graphs."""
 
 O = TypeVar("O", bound="_CaptureChoices")
+
+
+@functools.cache
+def _defaults(cls: type[O]) -> O:
+    """One instance of each options class with every default, shared: they are frozen."""
+    return cls()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,8 +74,10 @@ class _CaptureChoices:
         refused, naming the closest option ``owner`` takes."""
         if options is not None and not isinstance(options, cls):
             raise TypeError(f"{owner}(options=...) takes a breakgraph.{cls.__name__}, got {type(options).__name__}")
+        if not by_name:  # the common case, without checking the options again: they are frozen
+            return options if options is not None else _defaults(cls)
         refuse_unknown(owner, by_name, cls.names())
-        return dataclasses.replace(options or cls(), **by_name)
+        return dataclasses.replace(options or _defaults(cls), **by_name)
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -86,8 +95,7 @@ class CaptureOptions(_CaptureChoices):
             captured into the segments (torch captures the segments that
             draw) and draw fresh numbers at every replay; "break": every
             random op becomes an eager break; "error": random ops fail the
-            capture, which then watches no op (the op watch costs a Python
-            call per op at capture).
+            capture.
         generators (tuple of torch.Generator, optional): CUDA generators the
             captured random ops may draw from beside the device's default
             one. Default: none.
