@@ -220,3 +220,11 @@ def test_every_capture_start_gives_back_what_dead_pools_cached_since(monkeypatch
     allocator.log.clear()
     with pool_module.captures_running():  # the user may have dropped a dead graph's outputs by now
         assert allocator.log == [("empty_cache", (0,))]
+
+
+def test_a_capture_that_lets_no_pool_go_empties_nothing_as_it_ends(monkeypatch):
+    allocator = FakeAllocator(monkeypatch)
+    pool_module.release_after_captures(Owner(allocator.log), "pool")
+    with pool_module.captures_running():
+        allocator.log.clear()
+    assert allocator.log == []  # the next capture start or graph drop gives back what is dropped meanwhile

@@ -57,8 +57,8 @@ def captures_running():
     capture ends, and Python's cycle collector (which could drop one) stays paused.
 
     Reference-counted across threads. The first hold returns what dead pools
-    cache to the device, and so does the last release, under the lock, so no
-    capture can start meanwhile.
+    cache to the device, and so does the last release where pools were let go
+    meanwhile, under the lock, so no capture can start meanwhile.
     """
     global _captures, _collector_was_enabled
     with _lock:
@@ -73,8 +73,9 @@ def captures_running():
         with _lock:
             _captures -= 1
             if _captures == 0:
-                _parked.clear()  # the last references: destroyed here, while no capture can start
-                return_dropped_memory()
+                if _parked:
+                    _parked.clear()  # the last references: destroyed here, while no capture can start
+                    return_dropped_memory()
                 if _collector_was_enabled:
                     gc.enable()
 
