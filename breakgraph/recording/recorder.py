@@ -159,33 +159,30 @@ class Recorder:
         self.end_segment(following=call)
         if self.barrier is not None and self.peers is None:
             self.barrier()
-        before = None
         run = stub or function
-        with self._collectives_watched(function):
-            if self.record_addresses:  # debug mode also watches what the break allocates
-                before, saved = PoolUsage.of(self.pool), []
-                with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-                    result = run(*args, **kwargs)
-                after = PoolUsage.of(self.pool)
-                warn_kept_allocations(name, before.allocated_blocks(), after.allocated_blocks(), (result, saved))
-            else:
-                result = run(*args, **kwargs)
+        if self.barrier is None or (self.peers is not None and self.peers.is_quiet(function)):
+            result, before = self._run_eagerly(name, run, args, kwargs)
+        else:  # the barrier before each collective the break issues
+            with BarrierBeforeCollectives(self.barrier) as watch:
+                result, before = self._run_eagerly(name, run, args, kwargs)
+            if self.peers is not None and not watch.collectives:
+                self.peers.found_quiet(function)  # a runner's peers learn which breaks issue none
         self.segments.append(record_break(len(self.segments), name, function, args, kwargs, result, before))
         self._previous = call
         self.begin_segment()
         return result
 
-    @contextlib.contextmanager
-    def _collectives_watched(self, function: Callable):
-        """The barrier before each collective the break ``function`` issues, where there is a
-        barrier; a runner's peers learn which break functions issue none (:class:`PeerBarrier`)."""
-        if self.barrier is None or (self.peers is not None and self.peers.is_quiet(function)):
-            yield
-            return
-        with BarrierBeforeCollectives(self.barrier) as watch:
-            yield
-        if self.peers is not None and not watch.collectives:
-            self.peers.found_quiet(function)
+    def _run_eagerly(self, name: str, run: Callable, args: tuple, kwargs: dict) -> tuple[Any, PoolUsage | None]:
+        """``run(*args, **kwargs)``, and in debug mode the pool's usage before it, having
+        warned of what it allocated and kept outside its result."""
+        if not self.record_addresses:
+            return run(*args, **kwargs), None
+        before, saved = PoolUsage.of(self.pool), []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            result = run(*args, **kwargs)
+        after = PoolUsage.of(self.pool)
+        warn_kept_allocations(name, before.allocated_blocks(), after.allocated_blocks(), (result, saved))
+        return result, before
 
     def random_op(self, op: Callable, call: Callable, args: tuple, kwargs: dict) -> Any:
         """A random op the op watch met inside a segment: an eager break with
