@@ -126,6 +126,26 @@ def test_a_capture_that_refuses_a_random_op_leaves_the_watch_off(watching):
     assert after.handed == []
 
 
+_libraries = []  # keeps the op below defined for the process
+
+
+def test_a_random_op_another_library_defines_after_the_first_capture_is_handed_to_the_capture(watching):
+    op_watch._key_watch.available()  # what the process's first capture registers, before the op exists
+    name = f"noisy{len(_libraries)}"  # one op for each form of the watch
+    library = torch.library.Library("breakgraph_test", "FRAGMENT")
+    library.define(f"{name}(Tensor x) -> Tensor", tags=(torch.Tag.nondeterministic_seeded,))
+    library.impl(name, lambda x: x + torch.rand_like(x), "CompositeExplicitAutograd")
+    _libraries.append(library)
+    capture = FakeCapture()
+    leave = watching(capture)
+    try:
+        noisy = getattr(torch.ops.breakgraph_test, name)(torch.zeros(4))
+    finally:
+        leave()
+    assert capture.handed == [f"breakgraph_test.{name}.default"]  # once: its rand_like is part of it
+    assert noisy.shape == (4,) and bool((noisy > 0).all())
+
+
 def test_the_watch_is_this_threads_only(watching):
     capture = FakeCapture()
     leave = watching(capture)

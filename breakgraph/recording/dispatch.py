@@ -105,7 +105,9 @@ def clearer_error(error: BaseException, random_ops: str) -> RuntimeError | None:
             fix = (
                 "It draws from a generator the capture was not given (only the device's default "
                 "generator is, unless you pass generators=[...]): pass the generator in "
-                "generators= to the capture, graphed or GraphRunner"
+                "generators= to the capture, graphed or GraphRunner. Or the op watch did not see it: "
+                "an op not tagged torch.Tag.nondeterministic_seeded, or one a C++ extension registered "
+                "after the process's first capture: make it an eager break"
             )
         return UncapturableOpError(
             f"the random op at {user_line(error)} cannot be captured with random_ops={random_ops!r} "

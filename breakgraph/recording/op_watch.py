@@ -91,42 +91,56 @@ class _KeyWatch:
 
     torch reserves the key for tests of the dispatcher and registers nothing at
     it. It sits above autograd, so a watched op is seen as the user called it,
-    and once: the ops it calls run with the key off. Only the ops registered
-    when the first capture watches are seen: aten's (torch's own).
+    and once: the ops it calls run with the key off. The ops of every library
+    are registered as the first capture watches, and those defined since
+    (``torch.library``, ``torch.ops.load_library``) as a later one does; an op
+    a C++ extension registers at its import, after the first capture, is not seen.
     """
 
     KEY = "TESTING_ONLY_GenericMode"
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._libraries: list | None = None  # None: not tried yet; []: unavailable
+        self._libraries: dict[str, torch.library.Library] | None = None  # None: not tried yet; {}: unavailable
+        self._watched: set = set()
+        self._defined = (-1, -1)  # how many ops Python had defined and libraries loaded at the last look
 
     def available(self) -> bool:
-        """Register the kernels on first use; False where the key is taken or missing in this torch."""
-        if self._libraries is None:
+        """Register the kernels on first use, and for the ops defined since on later ones;
+        False where the key is taken or missing in this torch."""
+        if self._libraries is None or (self._libraries and _ops_defined() != self._defined):
             with self._lock:
-                if self._libraries is None:
-                    self._libraries = self._register()
+                self._libraries = self._register()
         return bool(self._libraries)
 
     def on(self) -> ContextManager:
         """Switch the key on for this thread: the watched ops reach the kernels until it is off."""
         return torch._C._IncludeDispatchKeyGuard(self._key)
 
-    def _register(self) -> list:
+    def _register(self) -> dict:
+        """The libraries holding the kernels, with one for every op not watched yet; {} where
+        the key cannot be had (or a registration fails: the mode watches instead)."""
+        libraries = self._libraries
         try:
-            self._key = torch._C._parse_dispatch_key(self.KEY)
-            if self._key is None or torch._C._dispatch_has_backend_fallback(self._key):
-                return []
-            below = torch._C._dispatch_keyset_full_after(self._key)
-            everything = torch.library.Library("_", "IMPL")
-            everything.fallback(torch.library.fallthrough_kernel, self.KEY)
-            watched = torch.library.Library("aten", "IMPL")
+            if libraries is None:
+                self._key = torch._C._parse_dispatch_key(self.KEY)
+                if self._key is None or torch._C._dispatch_has_backend_fallback(self._key):
+                    return {}
+                self._below = torch._C._dispatch_keyset_full_after(self._key)
+                libraries = {"_": torch.library.Library("_", "IMPL")}
+                libraries["_"].fallback(torch.library.fallthrough_kernel, self.KEY)
+            self._defined = _ops_defined()
             for func in _watched_ops():
-                watched.impl(func, self._kernel(func, op_kind(func), below), self.KEY, with_keyset=True)
+                if func in self._watched:
+                    continue
+                namespace = func.namespace
+                if namespace not in libraries:
+                    libraries[namespace] = torch.library.Library(namespace, "IMPL")
+                libraries[namespace].impl(func, self._kernel(func, op_kind(func), self._below), self.KEY, with_keyset=True)
+                self._watched.add(func)
         except (RuntimeError, AttributeError, TypeError):
-            return []
-        return [everything, watched]
+            return {}
+        return libraries
 
     def _kernel(self, func, kind: int, below) -> Callable:
         unwatched = torch._C.DispatchKeySet(self._key)
@@ -144,17 +158,22 @@ class _KeyWatch:
         return kernel
 
 
+def _ops_defined() -> tuple[int, int]:
+    """How many ops Python has defined (``torch.library``) and libraries torch has loaded:
+    where either grew, ops may have come that the watch does not know."""
+    return len(torch.library._defs), len(torch.ops.loaded_libraries)
+
+
 def _watched_ops() -> list:
-    """Every aten op overload that draws random numbers or synchronizes with the host; a
-    composite op that only calls others is left to them (it has no kernel of its own)."""
+    """Every op overload, of every library, that draws random numbers or synchronizes with
+    the host; a composite op that only calls others is left to them (it has no kernel of its own)."""
     ops = []
     for name in torch._C._dispatch_get_all_op_names():
-        if not name.startswith("aten::"):
-            continue
-        packet_name, _, overload = name[len("aten::") :].partition(".")
+        namespace, _, rest = name.partition("::")
+        packet_name, _, overload = rest.partition(".")
         try:
-            func = getattr(getattr(_aten, packet_name), overload or "default")
-        except AttributeError:
+            func = getattr(getattr(getattr(torch.ops, namespace), packet_name), overload or "default")
+        except (AttributeError, RuntimeError):
             continue
         if op_kind(func) == OpKind.PLAIN:
             continue
