@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from breakgraph.base import context
 from breakgraph.recording import op_watch
+from tests.helpers import use_watch
 
 RANDOM_CALLS = {
     "rand": lambda x: torch.rand(3),
@@ -39,13 +40,10 @@ class FakeCapture:
         return call(*args, **kwargs)
 
 
-@pytest.fixture(params=["key", "mode"])
+@pytest.fixture(params=["dispatch key", "dispatch mode"])
 def watching(request, monkeypatch):
     """Enter the watch of a capture, in one form or the other, as the recorder does."""
-    if request.param == "mode":
-        monkeypatch.setattr(op_watch._key_watch, "available", lambda: False)
-    else:  # also after another test compiled with torch.compile in this process
-        monkeypatch.setattr(op_watch, "dynamo_compiled", lambda: False)
+    use_watch(monkeypatch, request.param)
 
     def enter(capture):
         token = context.activate(capture)
@@ -143,7 +141,31 @@ def test_a_random_op_another_library_defines_after_the_first_capture_is_handed_t
     finally:
         leave()
     assert capture.handed == [f"breakgraph_test.{name}.default"]  # once: its rand_like is part of it
-    assert noisy.shape == (4,) and bool((noisy > 0).all())
+    assert noisy.shape == (4,) and noisy.unique().numel() > 1
+
+
+def test_an_op_defined_later_that_cannot_be_watched_leaves_the_watch_as_it_was(monkeypatch):
+    assert op_watch._key_watch.available()
+
+    def refuse(self, libraries, func):
+        raise RuntimeError(f"cannot register {func}")
+
+    monkeypatch.setattr(op_watch._KeyWatch, "_watch", refuse)
+    library = torch.library.Library("breakgraph_test", "FRAGMENT")
+    library.define("unwatchable(Tensor x) -> Tensor", tags=(torch.Tag.nondeterministic_seeded,))
+    library.impl("unwatchable", lambda x: x + torch.rand_like(x), "CompositeExplicitAutograd")
+    _libraries.append(library)
+    assert op_watch._key_watch.available()  # the kernels registered before stay, the fallthrough too
+    use_watch(monkeypatch, "dispatch key")
+    capture = FakeCapture()
+    token = context.activate(capture)
+    try:
+        with op_watch.watch_ops(capture):
+            plain = torch.ones(2) * 3
+            torch.rand(2)
+    finally:
+        context.deactivate(token)
+    assert capture.handed == ["aten.rand.default"] and plain.tolist() == [3.0, 3.0]
 
 
 def test_the_watch_is_this_threads_only(watching):

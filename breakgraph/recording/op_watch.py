@@ -16,6 +16,7 @@ slower, the same behaviour.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import threading
@@ -108,39 +109,56 @@ class _KeyWatch:
     def available(self) -> bool:
         """Register the kernels on first use, and for the ops defined since on later ones;
         False where the key is taken or missing in this torch."""
-        if self._libraries is None or (self._libraries and _ops_defined() != self._defined):
+        if self._to_register():
             with self._lock:
-                self._libraries = self._register()
+                if self._to_register():
+                    self._register()
         return bool(self._libraries)
 
     def on(self) -> ContextManager:
         """Switch the key on for this thread: the watched ops reach the kernels until it is off."""
         return torch._C._IncludeDispatchKeyGuard(self._key)
 
-    def _register(self) -> dict:
-        """The libraries holding the kernels, with one for every op not watched yet; {} where
-        the key cannot be had (or a registration fails: the mode watches instead)."""
-        libraries = self._libraries
-        try:
-            if libraries is None:
-                self._key = torch._C._parse_dispatch_key(self.KEY)
-                if self._key is None or torch._C._dispatch_has_backend_fallback(self._key):
-                    return {}
-                self._below = torch._C._dispatch_keyset_full_after(self._key)
-                libraries = {"_": torch.library.Library("_", "IMPL")}
-                libraries["_"].fallback(torch.library.fallthrough_kernel, self.KEY)
-            self._defined = _ops_defined()
-            for func in _watched_ops():
-                if func in self._watched:
-                    continue
-                namespace = func.namespace
-                if namespace not in libraries:
-                    libraries[namespace] = torch.library.Library(namespace, "IMPL")
-                libraries[namespace].impl(func, self._kernel(func, op_kind(func), self._below), self.KEY, with_keyset=True)
-                self._watched.add(func)
-        except (RuntimeError, AttributeError, TypeError):
+    def _to_register(self) -> bool:
+        return self._libraries is None or (bool(self._libraries) and _ops_defined() != self._defined)
+
+    def _register(self) -> None:
+        """The first time, all or nothing: the fallthrough and every op's kernel, or none and
+        ``{}`` (the mode watches instead). Later, the ops defined since, each or not: libraries
+        in use are never dropped (that would unregister the fallthrough under a running capture),
+        and an op that cannot be registered is not seen (torch refuses it in a segment)."""
+        defined = _ops_defined()
+        if self._libraries is None:
+            try:
+                self._libraries = self._first_libraries()
+            except (RuntimeError, AttributeError, TypeError):
+                self._libraries, self._watched = {}, set()
+            self._defined = defined
+            return
+        for func in _watched_ops():
+            if func not in self._watched:
+                with contextlib.suppress(RuntimeError, AttributeError, TypeError):
+                    self._watch(self._libraries, func)
+        self._defined = defined
+
+    def _first_libraries(self) -> dict:
+        self._key = torch._C._parse_dispatch_key(self.KEY)
+        if self._key is None or torch._C._dispatch_has_backend_fallback(self._key):
             return {}
+        self._below = torch._C._dispatch_keyset_full_after(self._key)
+        libraries = {"_": torch.library.Library("_", "IMPL")}
+        libraries["_"].fallback(torch.library.fallthrough_kernel, self.KEY)
+        for func in _watched_ops():
+            self._watch(libraries, func)
         return libraries
+
+    def _watch(self, libraries: dict, func) -> None:
+        """Register ``func``'s kernel, in its namespace's library."""
+        namespace = func.namespace
+        if namespace not in libraries:
+            libraries[namespace] = torch.library.Library(namespace, "IMPL")
+        libraries[namespace].impl(func, self._kernel(func, op_kind(func), self._below), self.KEY, with_keyset=True)
+        self._watched.add(func)
 
     def _kernel(self, func, kind: int, below) -> Callable:
         unwatched = torch._C.DispatchKeySet(self._key)
