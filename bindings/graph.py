@@ -35,17 +35,17 @@ class _Owned:
     """A handle destroyed exactly once: by :meth:`destroy`, or when the object dies.
 
     ``__del__`` rather than ``weakref.finalize``: a capture makes two of these per
-    segment, and a finalizer costs several microseconds to register. At interpreter
-    exit Python finalizes objects before the CUDA runtime unloads, and a failure
-    then has nobody to report to.
+    segment, and a finalizer costs several microseconds to register. One that
+    is still alive at interpreter exit may be left to the process's end, which
+    frees it with the CUDA context. A handle has one owner: it is not copied.
     """
 
-    __slots__ = ("handle", "_owned")
+    __slots__ = ("handle", "_owned", "__weakref__")
     _destroy: Callable  # the raw cudaGraphDestroy or cudaGraphExecDestroy
 
-    def __init__(self, handle) -> None:
+    def __init__(self, handle, owned: bool = True) -> None:
         self.handle = handle
-        self._owned = True
+        self._owned = owned
 
     def destroy(self) -> None:
         """Destroy now rather than when the object dies; later calls do nothing."""
@@ -59,6 +59,9 @@ class _Owned:
         except Exception:  # pragma: no cover - interpreter shutdown
             pass
 
+    def __reduce__(self):
+        raise TypeError(f"a {type(self).__name__} owns its CUDA handle: it cannot be copied or pickled")
+
     @property
     def alive(self) -> bool:
         """Whether the handle has not been destroyed."""
@@ -71,17 +74,15 @@ class Graph(_Owned):
     __slots__ = ("_borrowed",)
     _destroy = staticmethod(cudart.cudaGraphDestroy)
 
-    def __init__(self, handle: cudart.cudaGraph_t):
-        super().__init__(handle)
-        self._borrowed = False
+    def __init__(self, handle: cudart.cudaGraph_t, owned: bool = True):
+        super().__init__(handle, owned)
+        self._borrowed = not owned
 
     @classmethod
     def borrowed(cls, handle: int) -> "Graph":
         """A ``cudaGraph_t`` another owner destroys (torch's ``CUDAGraph``): counted, printed
         and instantiated here, never destroyed."""
-        graph = cls(cudart.cudaGraph_t(init_value=int(handle)))
-        graph._owned, graph._borrowed = False, True
-        return graph
+        return cls(cudart.cudaGraph_t(init_value=int(handle)), owned=False)
 
     @property
     def num_nodes(self) -> int:
@@ -159,7 +160,6 @@ class GraphExec(_Owned):
         if err != _SUCCESS:  # cuda-bindings returns no result info with an error
             reason = info.result.name.removeprefix("cudaGraphExecUpdate") if info is not None else CudaError(err).name
             raise GraphUpdateRefused(err, "cudaGraphExecUpdate", "", reason)
-
 
 
 def launch_function() -> GraphLaunch:

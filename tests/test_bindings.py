@@ -69,3 +69,22 @@ def test_bindings_do_not_import_torch():
     code = "import sys, breakgraph_bindings; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_graph_handle_is_destroyed_once_a_borrowed_one_never_and_neither_is_copied(monkeypatch):
+    import copy
+    import gc
+
+    destroyed = []
+    monkeypatch.setattr(bindings.Graph, "_destroy", staticmethod(destroyed.append))
+    owned = bindings.Graph(cudart.cudaGraph_t(init_value=7))
+    with pytest.raises(TypeError, match="cannot be copied"):
+        copy.copy(owned)
+    owned.destroy()
+    owned.destroy()
+    assert not owned.alive
+    dropped = bindings.Graph(cudart.cudaGraph_t(init_value=8))
+    borrowed = bindings.Graph.borrowed(9)
+    del owned, dropped, borrowed
+    gc.collect()
+    assert [int(handle) for handle in destroyed] == [7, 8]  # the dropped one as it died, the borrowed one never
