@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 import breakgraph as bg
+from breakgraph.recording import op_watch
 
 
 @bg.eager_on_graph
@@ -102,3 +103,14 @@ def tiny_llama():
     model = LlamaForCausalLM(config).eval()
     model.generation_config.pad_token_id = model.generation_config.eos_token_id = None
     return model
+
+
+def use_watch(monkeypatch, form: str) -> None:
+    """Make this test's captures watch for random ops through ``form``: "dispatch mode" (the
+    watch where a torch has no dispatch key to lend it), or else the dispatch key's kernels,
+    also after another test compiled with torch.compile in this process (a capture that
+    watches nothing, ``random_ops="error"``, is left as it is)."""
+    if form == "dispatch mode":
+        monkeypatch.setattr(op_watch._key_watch, "available", lambda: False)
+    else:
+        monkeypatch.setattr(op_watch, "dynamo_compiled", lambda: False)

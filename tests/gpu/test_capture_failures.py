@@ -6,8 +6,7 @@ import torch
 
 import breakgraph_bindings as bindings
 import breakgraph as bg
-from breakgraph.recording import op_watch
-from tests.helpers import check_against_eager, softmax_eager
+from tests.helpers import check_against_eager, softmax_eager, use_watch
 
 DEV = "cuda"
 
@@ -97,10 +96,7 @@ def test_failure_at_segment_boundary_leaves_nothing_behind(monkeypatch, which):
 )
 @pytest.mark.parametrize("watch", ["dispatch key", "dispatch mode", "none"])
 def test_capture_illegal_op_raises_clear_error(monkeypatch, illegal, words, watch):
-    if watch == "dispatch mode":  # the watch where this torch has no dispatch key to lend it
-        monkeypatch.setattr(op_watch._key_watch, "available", lambda: False)
-    else:  # also after a test compiled with torch.compile in this process
-        monkeypatch.setattr(op_watch, "dynamo_compiled", lambda: False)
+    use_watch(monkeypatch, watch)
     options = {"random_ops": "error"} if watch == "none" else {}
     caller = torch.cuda.current_stream()
     graph = bg.BreakableCUDAGraph()

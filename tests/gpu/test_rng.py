@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import breakgraph as bg
-from breakgraph.recording import op_watch, recorder, rng
-from tests.helpers import assert_close, poison_
+from breakgraph.recording import recorder, rng
+from tests.helpers import assert_close, poison_, use_watch
 
 DEV = "cuda"
 N = 4096
@@ -43,10 +43,7 @@ def capture(fn, *args, **kwargs):
 
 @pytest.mark.parametrize("watch", ["dispatch key", "dispatch mode"])
 def test_random_ops_are_captured_with_no_extra_breaks_and_draw_fresh_numbers(monkeypatch, watch):
-    if watch == "dispatch mode":  # the watch where this torch has no dispatch key to lend it
-        monkeypatch.setattr(op_watch._key_watch, "available", lambda: False)
-    else:  # also after a test compiled with torch.compile in this process
-        monkeypatch.setattr(op_watch, "dynamo_compiled", lambda: False)
+    use_watch(monkeypatch, watch)
     x = torch.ones(N, device=DEV)
     graph, out = capture(noisy_region, x)
     assert graph.num_eager_breaks == 1 and graph.num_graphs == 2  # only the softmax break
