@@ -267,6 +267,19 @@ def test_a_first_call_that_no_size_serves_still_compiles_ahead_before_it_runs():
 
 
 @pytest.mark.filterwarnings("ignore:breakgraph. no CUDA GPU")
+def test_a_background_compile_is_due_after_a_first_call_that_no_size_serves():
+    model = small(LlamaForCausalLM, LlamaConfig)
+    gen = generator(model, capture_sizes=[1], max_batch_size=2, compile_in_background=True)
+    ids = torch.randint(0, 300, (2, 6))
+    expected = transformers_eager_generate(model, ids, 3)
+    assert torch.equal(gen.generate(ids, 3), expected)  # two rows: above every size, so decoded eagerly
+    assert gen.compiling and not gen._lifecycle.captured  # started as the call returned, with nothing captured first
+    gen.wait_for_compile()
+    assert gen.compiled and gen._lifecycle.phase is CompilePhase.SERVING
+    assert torch.equal(gen.generate(ids, 3), expected)  # the compiled forward serves the eager calls
+
+
+@pytest.mark.filterwarnings("ignore:breakgraph. no CUDA GPU")
 def test_the_compile_moves_through_its_phases_by_its_transitions_only():
     model = small(LlamaForCausalLM, LlamaConfig)
     ids = torch.randint(0, 300, (2, 6))

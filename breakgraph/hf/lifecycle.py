@@ -31,7 +31,7 @@ class CompilePhase(enum.Enum):
 
     UNCOMPILED = "uncompiled"  # compile=False: the model's forward serves
     AHEAD = "to compile ahead"  # compile=True: the first capture compiles first
-    WAITING = "waiting for the first capture"  # compile_in_background: the first capture is uncompiled
+    WAITING = "waiting for the first capture"  # compile_in_background: the first capture, or call no size serves, is uncompiled
     DUE = "compile due"  # the uncompiled steps are captured; the compile starts as generate() returns
     RUNNING = "compiling"  # in a thread of its own, the uncompiled steps serving
     SERVING = "compiled"  # the compiled forward serves, and is what the steps capture
@@ -131,6 +131,8 @@ class CaptureLifecycle:
             self._enter(CompilePhase.SERVING)
         serving = {step: self._sizes_serving(step, rows) for step in steps}
         if not all(serving.values()):
+            if self.phase is CompilePhase.WAITING:  # no capture comes first: the compile is due all the same
+                self._enter(CompilePhase.DUE)
             return False
         missing = []
         for step, sizes in serving.items():

@@ -57,7 +57,7 @@ def cond(pred: torch.Tensor, true_fn: Callable, false_fn: Callable, *operands: A
     if capture is None or not capture.segment_open:
         return _python_if(pred, true_fn, false_fn, *operands)
     if not capture.branches_on_device:
-        return capture.run_break(_python_if, (pred, true_fn, false_fn, *operands), {}, name="cond")
+        return capture.run_break(_python_if, (pred, true_fn, false_fn, *operands), {}, "cond")
     bindings.require_conditional_support(_IF_ELSE, "breakgraph.cond inside a capture")
     _require_on_capture_device("cond's pred", pred)
     capture.conditional_node("cond()")
@@ -100,7 +100,7 @@ def while_loop(cond_fn: Callable, body_fn: Callable, carried: tuple) -> tuple:
     if capture is None or not capture.segment_open:
         return _python_while(cond_fn, body_fn, carried)
     if not capture.branches_on_device:
-        return capture.run_break(_python_while, (cond_fn, body_fn, carried), {}, name="while_loop")
+        return capture.run_break(_python_while, (cond_fn, body_fn, carried), {}, "while_loop")
     bindings.require_conditional_support(_WHILE, "breakgraph.while_loop inside a capture")
     for index, value in enumerate(carried):
         _require_on_capture_device(f"while_loop's carried[{index}]", value)

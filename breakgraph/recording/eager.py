@@ -7,6 +7,7 @@ from typing import Callable, TypeVar, overload
 
 from breakgraph.base import context
 from breakgraph.base.checks import refuse_unknown_keywords, require_bool
+from breakgraph.base.naming import function_name
 
 F = TypeVar("F", bound=Callable)
 
@@ -71,6 +72,7 @@ def eager_on_graph(
         raise TypeError("eager_on_graph(capture_stub=...) takes a function, got True")
     if not enable:
         return function
+    name = function_name(function)
 
     @functools.wraps(function)
     def run(*args, **kwargs):
@@ -79,7 +81,7 @@ def eager_on_graph(
             if capture is None and callable(run.inline_variant) and context.warming_up_full_graph():
                 return run.inline_variant(*args, **kwargs)
             return function(*args, **kwargs)
-        return capture.run_break(function, args, kwargs, inline=run.inline_variant, stub=capture_stub)
+        return capture.run_break(function, args, kwargs, name, inline=run.inline_variant, stub=capture_stub)
 
     def register_inline(variant: F) -> F:
         """Decorator: ``variant`` is what full-graph captures record in place of this break."""
@@ -104,4 +106,4 @@ def break_graph() -> None:
     """
     capture = context.current()
     if capture is not None and capture.segment_open:
-        capture.run_break(_split_point, (), {}, name="break_graph", inline=True)
+        capture.run_break(_split_point, (), {}, "break_graph", inline=True)

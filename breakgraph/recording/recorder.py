@@ -22,7 +22,6 @@ from breakgraph.recording import rng, streams
 from breakgraph.recording.breaks import record_break, warn_kept_allocations
 from breakgraph.recording.dispatch import BarrierBeforeCollectives, UncapturableOpError, is_capture_violation
 from breakgraph.recording.op_watch import watch_ops
-from breakgraph.base.naming import function_name
 from breakgraph.base.options import CaptureOptions
 from breakgraph.base.pool import PoolUsage, captures_running
 from breakgraph.base.ranks import PeerBarrier
@@ -138,15 +137,14 @@ class Recorder:
         function: Callable,
         args: tuple,
         kwargs: dict,
-        name: str | None = None,
+        name: str,
         *,
         inline: Callable | bool | None = None,
         stub: Callable | None = None,
     ) -> Any:
         """End the segment, run ``function`` (its ``stub`` if it has one) eagerly and record
         it, begin the next segment. In a full-graph capture, record ``inline`` in the open
-        segment instead."""
-        name = name or function_name(function)
+        segment instead. ``name`` names the break in segment names and errors."""
         if self.body_depth:
             raise UncapturableOpError(
                 f"{name}() is an eager break inside the body of a breakgraph.cond or while_loop, which the GPU "
@@ -189,7 +187,7 @@ class Recorder:
         ``random_ops="break"``; otherwise recorded by torch (``call`` runs it below the
         watch), the segment going on in a torch capture from this op if it was not in one already."""
         if self.options.random_ops == "break":
-            return self.run_break(op, args, kwargs, name=f"random {op}")
+            return self.run_break(op, args, kwargs, f"random {op}")
         if self.torch_capture is None:
             self._go_on_in_torch_capture(str(op))
         return call(*args, **kwargs)
