@@ -1,6 +1,9 @@
-"""An eager break: how it is recorded, with nothing that pins memory, and how it replays.
+"""An eager break: how it runs at capture, how it is recorded, with nothing that pins
+memory, and how it replays.
 
-Arguments are kept as non-owning aliases (containers walked, objects kept by
+At capture it runs eagerly (:func:`run_eagerly`, which in debug mode warns of
+what it keeps in the graph's pool), or, in a full-graph capture, its
+capturable variant runs inside the segment (:func:`run_inline`). Arguments are kept as non-owning aliases (containers walked, objects kept by
 reference), the result as aliases when it is only CUDA tensors, plus the
 writer that puts every replay's result where later segments read it. A
 backward that reaches autograd history made inside the break is refused,
@@ -22,6 +25,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from breakgraph.base import trees
 from breakgraph.recording.aliasing import alias_leaves, alias_result, alias_tensor
+from breakgraph.recording.dispatch import UncapturableOpError, is_capture_violation
 from breakgraph.recording.outputs import check_output
 from breakgraph.base.pool import PoolUsage
 from breakgraph.recording.segments import ReplaySource, Segment
@@ -98,6 +102,40 @@ def warn_kept_allocations(name: str, before: dict[int, int], after: dict[int, in
             LifetimeWarning,
             stacklevel=2,
         )
+
+
+def run_eagerly(name: str, run: Callable, args: tuple, kwargs: dict, pool: torch.cuda.MemPool | None) -> tuple[Any, PoolUsage | None]:
+    """``run(*args, **kwargs)`` as the break ``name``, and None; with ``pool`` (debug mode), the
+    pool's usage before it in place of None, having warned of what it allocated there and kept
+    outside its result."""
+    if pool is None:
+        return run(*args, **kwargs), None
+    before, saved = PoolUsage.of(pool), []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        result = run(*args, **kwargs)
+    after = PoolUsage.of(pool)
+    warn_kept_allocations(name, before.allocated_blocks(), after.allocated_blocks(), (result, saved))
+    return result, before
+
+
+def run_inline(name: str, function: Callable, inline: Callable | bool | None, args: tuple, kwargs: dict) -> Any:
+    """The break ``name`` in a full-graph capture: its capturable variant ``inline`` (True:
+    ``function`` itself) recorded in the open segment; refused where it has none or CUDA
+    refuses what it does."""
+    fix = "capture with breaks='eager' (the breakable mode) for this key"
+    if inline is None:
+        raise UncapturableOpError(
+            f"{name}() has no capturable variant, so a full-graph capture (breaks='inline') cannot record "
+            f"it: breakgraph cannot tell whether it reads host values a graph would freeze. Give it one "
+            f"(@{name}.inline, or @eager_on_graph(inline=True) if it is capturable as it is), or {fix}."
+        )
+    try:
+        return (function if inline is True else inline)(*args, **kwargs)
+    except RuntimeError as error:
+        named_by_the_watch = isinstance(error, UncapturableOpError)
+        if not named_by_the_watch and not is_capture_violation(error):
+            raise
+        raise UncapturableOpError(f"{name}() cannot be captured inline ({error}); {fix}.") from error
 
 
 def record_break(

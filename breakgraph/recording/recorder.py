@@ -19,11 +19,11 @@ import torch
 import breakgraph_bindings as bindings
 from breakgraph.base import context, runtime
 from breakgraph.recording import rng, streams
-from breakgraph.recording.breaks import record_break, warn_kept_allocations
-from breakgraph.recording.dispatch import BarrierBeforeCollectives, UncapturableOpError, is_capture_violation
+from breakgraph.recording.breaks import record_break, run_eagerly, run_inline
+from breakgraph.recording.dispatch import BarrierBeforeCollectives, UncapturableOpError
 from breakgraph.recording.op_watch import watch_ops
 from breakgraph.base.options import CaptureOptions
-from breakgraph.base.pool import PoolUsage, captures_running
+from breakgraph.base.pool import captures_running
 from breakgraph.base.ranks import PeerBarrier
 from breakgraph.recording.segments import GraphSegment, Segment, TorchGraphSegment
 
@@ -57,6 +57,7 @@ class Recorder:
         self.barrier = options.barrier_fn
         self.peers = self.barrier if isinstance(self.barrier, PeerBarrier) else None  # a runner's ranks
         self.record_addresses = record_addresses
+        self._checked_pool = pool if record_addresses else None  # debug mode: what each break keeps in it is checked
         self.torch_capture: rng.TorchCapture | None = None  # the open segment, when torch records it
         self.branches_on_device = not record_addresses  # debug mode runs cond and while_loop as breaks
         self.body_depth = 0
@@ -152,35 +153,23 @@ class Recorder:
                 "whole cond or while_loop an eager break (call it from an @breakgraph.eager_on_graph function)."
             )
         if self.inline:
-            return self._run_inline(name, function, inline, args, kwargs)
+            return run_inline(name, function, inline, args, kwargs)
         call = f"{name}()"
         self.end_segment(following=call)
         if self.barrier is not None and self.peers is None:
             self.barrier()
         run = stub or function
         if self.barrier is None or (self.peers is not None and self.peers.is_quiet(function)):
-            result, before = self._run_eagerly(name, run, args, kwargs)
+            result, before = run_eagerly(name, run, args, kwargs, self._checked_pool)
         else:  # the barrier before each collective the break issues
             with BarrierBeforeCollectives(self.barrier) as watch:
-                result, before = self._run_eagerly(name, run, args, kwargs)
+                result, before = run_eagerly(name, run, args, kwargs, self._checked_pool)
             if self.peers is not None and not watch.collectives:
                 self.peers.found_quiet(function)  # a runner's peers learn which breaks issue none
         self.segments.append(record_break(len(self.segments), name, function, args, kwargs, result, before))
         self._previous = call
         self.begin_segment()
         return result
-
-    def _run_eagerly(self, name: str, run: Callable, args: tuple, kwargs: dict) -> tuple[Any, PoolUsage | None]:
-        """``run(*args, **kwargs)``, and in debug mode the pool's usage before it, having
-        warned of what it allocated and kept outside its result."""
-        if not self.record_addresses:
-            return run(*args, **kwargs), None
-        before, saved = PoolUsage.of(self.pool), []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-            result = run(*args, **kwargs)
-        after = PoolUsage.of(self.pool)
-        warn_kept_allocations(name, before.allocated_blocks(), after.allocated_blocks(), (result, saved))
-        return result, before
 
     def random_op(self, op: Callable, call: Callable, args: tuple, kwargs: dict) -> Any:
         """A random op the op watch met inside a segment: an eager break with
@@ -240,22 +229,6 @@ class Recorder:
             yield
         finally:
             self.body_depth -= 1
-
-    def _run_inline(self, name: str, function: Callable, inline, args: tuple, kwargs: dict) -> Any:
-        fix = "capture with breaks='eager' (the breakable mode) for this key"
-        if inline is None:
-            raise UncapturableOpError(
-                f"{name}() has no capturable variant, so a full-graph capture (breaks='inline') cannot record "
-                f"it: breakgraph cannot tell whether it reads host values a graph would freeze. Give it one "
-                f"(@{name}.inline, or @eager_on_graph(inline=True) if it is capturable as it is), or {fix}."
-            )
-        try:
-            return (function if inline is True else inline)(*args, **kwargs)
-        except RuntimeError as error:
-            named_by_the_watch = isinstance(error, UncapturableOpError)
-            if not named_by_the_watch and not is_capture_violation(error):
-                raise
-            raise UncapturableOpError(f"{name}() cannot be captured inline ({error}); {fix}.") from error
 
     # -- the whole capture -----------------------------------------------------------------
     def open(self) -> None:
