@@ -2,6 +2,7 @@
 eager break, the refusals, and the driver version a conditional node needs."""
 
 import threading
+import types
 
 import pytest
 import torch
@@ -103,9 +104,10 @@ def test_debug_mode_makes_each_call_one_eager_break_that_runs_python():
 
 
 def test_an_eager_break_inside_a_body_is_refused_with_the_way_out():
-    recorder = Recorder(pool=None, stream=None, options=CaptureOptions(), record_addresses=False)
+    stream = types.SimpleNamespace(cuda_stream=7)  # never captured on: the break is refused first
+    recorder = Recorder(pool=None, stream=stream, options=CaptureOptions(), record_addresses=False)
     with recorder.inside_body(), pytest.raises(bg.UncapturableOpError, match="make the whole cond or while_loop an eager break"):
-        recorder.run_break(print, (), {}, name="attention")
+        recorder.run_break(print, (), {}, "attention")
     assert recorder.body_depth == 0
 
 

@@ -51,6 +51,7 @@ class Recorder:
     def __init__(self, pool: torch.cuda.MemPool, stream: torch.cuda.Stream, options: CaptureOptions, record_addresses: bool):
         self.pool = pool
         self.stream = stream
+        self._handle = bindings.stream_handle(stream)  # made once: a break ends and begins a capture on it
         self.options = options
         self.mode = options.capture_error_mode
         self.inline = options.breaks == "inline"
@@ -90,7 +91,7 @@ class Recorder:
 
     # -- segment boundaries ----------------------------------------------------------
     def begin_segment(self) -> None:
-        bindings.begin_capture(self.stream, self.mode)
+        bindings.begin_capture(self._handle, self.mode)
         self._segment_begun()
 
     def _segment_begun(self) -> None:
@@ -109,7 +110,7 @@ class Recorder:
             self.route_to_pool()
             self.segments.append(TorchGraphSegment(index, name, rng.borrowed_graph(graph), graph, side_streams=side_streams))
         else:
-            graph = bindings.end_capture(self.stream)
+            graph = bindings.end_capture(self._handle)
             self.segment_open = False
             conditional_nodes, self._conditional_nodes = self._conditional_nodes, 0
             self.segments.append(GraphSegment(index, name, graph, None, side_streams=side_streams, conditional_nodes=conditional_nodes))
@@ -128,8 +129,9 @@ class Recorder:
                 kept.pop()
             segment.index = len(kept)
             kept.append(segment)
+        stream, measure = self._handle, self.options.measure_memory
         for segment in kept:
-            segment.ready(self.stream, self.options.measure_memory)
+            segment.ready(stream, measure)
         return kept
 
     # -- breaks ------------------------------------------------------------------------
@@ -284,7 +286,7 @@ class Recorder:
         if torch_capture is not None:
             torch_capture.abort()
         elif began:  # only a capture this recorder began: another may be under way on the same stream
-            bindings.discard_capture(self.stream)
+            bindings.discard_capture(self._handle)
         for segment in self.segments:
             segment.release()
         self.segments = []

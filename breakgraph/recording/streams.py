@@ -65,7 +65,6 @@ class ForkJoinTracker:
         # What each event recorded into a segment stands for (None: re-recorded outside the
         # capture since); the events are held to the capture's end (:meth:`capture_ended`).
         self._recorded_on: dict[torch.cuda.Event, tuple[torch.cuda.Stream, int, CaptureInfo] | None] = {}
-        self.segment_streams: list[tuple[int, ...]] = []  # per ended segment: side streams that took part
 
     # -- segment boundaries ---------------------------------------------------
     def segment_begun(self) -> None:
@@ -87,7 +86,6 @@ class ForkJoinTracker:
     def segment_ending(self) -> tuple[int, ...]:
         """Join every side stream with unjoined work; return the ids that took part."""
         if not self._streams:  # the common case: the segment used the capture stream alone
-            self.segment_streams.append(())
             return ()
         took_part = tuple(self._streams)
         for sid, stream in list(self._streams.items()):
@@ -112,7 +110,6 @@ class ForkJoinTracker:
         self._streams.clear()
         self._open.clear()
         self._joined_at.clear()
-        self.segment_streams.append(took_part)
         return took_part
 
     # -- what the hooks report -----------------------------------------------

@@ -10,6 +10,7 @@ written, so a mismatch leaves the captured buffers untouched.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
@@ -33,7 +34,7 @@ def make_writer(function_name: str, captured: Any, flat: trees.Flat | None = Non
     With ``replace_values`` False only tensors are written, and other values stay the
     captured ones, as a graph's replay leaves them (``graphed``'s eager fallback)."""
     if captured is None:
-        return _NoneWriter(function_name)
+        return _none_writer(function_name)
     if type(captured) is torch.Tensor:
         return _TensorWriter(function_name, captured)
     flat = flat or trees.take_apart(captured, objects=True)
@@ -74,6 +75,13 @@ class _NoneWriter:
         if result is not None:
             _fail(self.function_name, "out", f"None at capture, {type(result).__name__} at replay")
         return 0
+
+
+@functools.lru_cache(maxsize=1024)
+def _none_writer(function_name: str) -> _NoneWriter:
+    """One writer per name for results that are None, the most common (it holds nothing else):
+    a capture with many such breaks keeps fewer objects for the cycle collector to walk."""
+    return _NoneWriter(function_name)
 
 
 class _TensorWriter:
