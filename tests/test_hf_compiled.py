@@ -1,6 +1,7 @@
 """breakgraph.hf.Generator(compile=...) on the CPU: the compiled decode step against transformers."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from torch._dynamo.utils import counters
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from breakgraph import hf
+from breakgraph.hf import tracing
 from breakgraph.hf.compiled import compiled_forward
 from breakgraph.hf.lifecycle import CompilePhase
 from breakgraph.hf.steps import GREEDY, SAMPLING_VARIANTS
@@ -229,6 +231,50 @@ def test_a_step_or_size_not_captured_yet_decodes_eagerly_beside_the_background_c
     threading.Timer(0.5, release.set).start()
     gen.capture(sampling=True)  # waits for the compile, takes it, and captures compiled
     assert release.is_set() and gen.compiled and not gen.compiling
+
+
+class Traced(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.linear(x).relu()
+
+
+@pytest.mark.filterwarnings("ignore:breakgraph. no CUDA GPU")
+def test_the_serving_thread_runs_its_model_between_the_background_compiles_fx_traces():
+    """torch.fx patches torch.nn.Module.__call__ for the whole process while it traces: a prefill on the
+    serving thread meanwhile went into the trace (NameError: module is not installed as a submodule)."""
+    untaken_trace, started = torch.fx.Tracer.trace, threading.Event()
+
+    def tracing_backend(graph, example_inputs):
+        started.set()
+        end = time.perf_counter() + 1.0
+        while time.perf_counter() < end:
+            torch.fx.symbolic_trace(Traced())
+        return graph.forward
+
+    model = small(LlamaForCausalLM, LlamaConfig)
+    gen = generator(model, compile={"backend": tracing_backend}, max_batch_size=2, compile_in_background=True)
+    ids = torch.randint(0, 300, (2, 6))
+    expected = transformers_eager_generate(model, ids, 3)
+    assert torch.equal(gen.generate(ids, 3), expected)  # the compile starts as it returns
+    assert started.wait(timeout=60)
+    for _ in range(10):  # while the compile traces, again and again
+        assert torch.equal(gen.generate(ids, 3), expected)
+    gen.wait_for_compile()
+    assert torch.fx.Tracer.trace is untaken_trace  # torch's own again once no compile runs
+
+
+def test_traces_take_turns_while_any_background_compile_runs():
+    untaken_trace = torch.fx.Tracer.trace
+    with tracing.traces_take_turns():
+        with tracing.traces_take_turns():  # a second Generator's compile
+            assert torch.fx.Tracer.trace is not untaken_trace
+        assert torch.fx.Tracer.trace is not untaken_trace  # the first still runs
+        assert isinstance(torch.fx.symbolic_trace(Traced()), torch.fx.GraphModule)
+    assert torch.fx.Tracer.trace is untaken_trace
 
 
 @pytest.mark.filterwarnings("ignore:breakgraph. no CUDA GPU")

@@ -19,6 +19,7 @@ import torch
 from breakgraph.base.checks import refuse_unknown
 from breakgraph.hf.cache import KVCache
 from breakgraph.hf.steps import ModelForward
+from breakgraph.hf.tracing import traces_take_turns
 from breakgraph.serving.runner import GraphRunner
 
 COMPILE_KEYWORDS = ("backend", "mode", "options", "dynamic", "fullgraph")
@@ -123,7 +124,8 @@ class DecodeCompile:
 
 
 class BackgroundCompile:
-    """``work`` (a compile) run once in a thread of its own, while the caller goes on serving.
+    """``work`` (a compile) run once in a thread of its own, while the caller goes on serving;
+    its torch.fx traces and the caller's eager forwards take turns (:mod:`breakgraph.hf.tracing`).
 
     :attr:`finished` says whether it ended; :meth:`error` waits for it and
     returns what it raised. The thread is a daemon: a process that ends
@@ -137,7 +139,8 @@ class BackgroundCompile:
 
     def _run(self, work: Callable[[], None]) -> None:
         try:
-            work()
+            with traces_take_turns():  # the serving thread's eager forwards would go into its traces
+                work()
         except BaseException as error:  # handed to the caller's thread by error()
             self._error = error
 

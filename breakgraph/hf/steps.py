@@ -8,12 +8,14 @@ no more, or over the sorted vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Any, Callable
 
 import torch
 from transformers import PreTrainedModel
 
+from breakgraph.hf import tracing
 from breakgraph.hf.cache import KVCache
 from breakgraph.hf.registration import COMPILED_CACHE, generating_into
 from breakgraph.hf.sampling import CANDIDATES, Sampling
@@ -78,7 +80,8 @@ class ModelForward:
             inputs |= {COMPILED_CACHE: cache, "attention_mask": self._no_mask}
             if self._takes_cache_position:
                 inputs["cache_position"] = position_ids[0]  # what transformers does with them, breakgraph's cache ignores
-        with generating_into(cache):
+        # The model's own forward takes its turn with a background compile's traces (see tracing).
+        with generating_into(cache), tracing.turn if compiled is None else contextlib.nullcontext():
             output = forward(**inputs)
         return output.logits[:, -1]
 

@@ -1,0 +1,52 @@
+"""Turns between a background compile's torch.fx traces and the Generators' eager forwards.
+
+While torch.fx traces (``torch.fx.Tracer.trace``: Inductor's pattern passes,
+AOTAutograd's ``make_fx``), it patches ``torch.nn.Module.__call__`` and the
+traced code's globals for the whole process. A model run on another thread
+meanwhile goes into the tracer and fails (``NameError: module is not
+installed as a submodule``). So while a background compile runs, each of its
+traces and each eager forward of the serving thread takes :data:`turn` first:
+a prefill waits for the trace under way, and a trace for the prefill.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+
+import torch
+
+turn = threading.RLock()
+"""Held by a trace while a background compile runs, and by every eager forward of a Generator."""
+
+_patching = threading.Lock()
+_compiles_running = 0
+_untaken_trace = None  # torch.fx.Tracer.trace as it was before the first compile that runs now
+
+
+@contextlib.contextmanager
+def traces_take_turns():
+    """While held (by any number of background compiles), every torch.fx trace takes :data:`turn`."""
+    global _compiles_running, _untaken_trace
+    with _patching:
+        if _compiles_running == 0:
+            _untaken_trace = torch.fx.Tracer.trace
+            torch.fx.Tracer.trace = _taking_turns(_untaken_trace)
+        _compiles_running += 1
+    try:
+        yield
+    finally:
+        with _patching:
+            _compiles_running -= 1
+            if _compiles_running == 0:
+                torch.fx.Tracer.trace = _untaken_trace
+
+
+def _taking_turns(trace):
+    @functools.wraps(trace)
+    def trace_in_turn(self, *args, **kwargs):
+        with turn:
+            return trace(self, *args, **kwargs)
+
+    return trace_in_turn
