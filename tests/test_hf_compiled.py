@@ -246,7 +246,7 @@ class Traced(torch.nn.Module):
 def test_the_serving_thread_runs_its_model_between_the_background_compiles_fx_traces():
     """torch.fx patches torch.nn.Module.__call__ for the whole process while it traces: a prefill on the
     serving thread meanwhile went into the trace (NameError: module is not installed as a submodule)."""
-    untaken_trace, started = torch.fx.Tracer.trace, threading.Event()
+    started = threading.Event()
 
     def tracing_backend(graph, example_inputs):
         started.set()
@@ -264,17 +264,40 @@ def test_the_serving_thread_runs_its_model_between_the_background_compiles_fx_tr
     for _ in range(10):  # while the compile traces, again and again
         assert torch.equal(gen.generate(ids, 3), expected)
     gen.wait_for_compile()
-    assert torch.fx.Tracer.trace is untaken_trace  # torch's own again once no compile runs
+    assert not traces_wait_for_their_turn()  # once no compile runs
 
 
-def test_traces_take_turns_while_any_background_compile_runs():
-    untaken_trace = torch.fx.Tracer.trace
+def traces_wait_for_their_turn() -> bool:
+    """Whether a torch.fx trace waits while another thread holds the turn."""
+    held, done = threading.Event(), threading.Event()
+
+    def hold():
+        with tracing.turn:
+            held.set()
+            done.wait(timeout=60)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(timeout=60)
+    tracer = threading.Thread(target=lambda: torch.fx.symbolic_trace(Traced()))
+    tracer.start()
+    tracer.join(timeout=2)
+    waited = tracer.is_alive()
+    done.set()
+    holder.join()
+    tracer.join()
+    return waited
+
+
+def test_traces_take_turns_while_any_background_compile_runs_and_torch_dynamo_keeps_its_wrapper():
+    torch.compile(lambda x: x + 1, backend="eager")(torch.ones(2))  # Dynamo has wrapped Tracer.trace
+    wrapped_by_dynamo = torch.fx.Tracer.trace
     with tracing.traces_take_turns():
         with tracing.traces_take_turns():  # a second Generator's compile
-            assert torch.fx.Tracer.trace is not untaken_trace
-        assert torch.fx.Tracer.trace is not untaken_trace  # the first still runs
-        assert isinstance(torch.fx.symbolic_trace(Traced()), torch.fx.GraphModule)
-    assert torch.fx.Tracer.trace is untaken_trace
+            assert traces_wait_for_their_turn()
+        assert traces_wait_for_their_turn()  # the first still runs
+    assert not traces_wait_for_their_turn()
+    assert torch.fx.Tracer.trace is wrapped_by_dynamo
 
 
 @pytest.mark.filterwarnings("ignore:breakgraph. no CUDA GPU")

@@ -23,24 +23,37 @@ turn = threading.RLock()
 _patching = threading.Lock()
 _compiles_running = 0
 _untaken_trace = None  # torch.fx.Tracer.trace as it was before the first compile that runs now
+_trace_in_turn = None  # what replaced it
 
 
 @contextlib.contextmanager
 def traces_take_turns():
-    """While held (by any number of background compiles), every torch.fx trace takes :data:`turn`."""
-    global _compiles_running, _untaken_trace
+    """While held (by any number of background compiles), every torch.fx trace takes :data:`turn`;
+    torch's own method is put back as the last one ends, unless something replaced it meanwhile."""
+    global _compiles_running, _untaken_trace, _trace_in_turn
     with _patching:
         if _compiles_running == 0:
+            _dynamo_wraps_trace_first()
             _untaken_trace = torch.fx.Tracer.trace
-            torch.fx.Tracer.trace = _taking_turns(_untaken_trace)
+            _trace_in_turn = torch.fx.Tracer.trace = _taking_turns(_untaken_trace)
         _compiles_running += 1
     try:
         yield
     finally:
         with _patching:
             _compiles_running -= 1
-            if _compiles_running == 0:
+            if _compiles_running == 0 and torch.fx.Tracer.trace is _trace_in_turn:
                 torch.fx.Tracer.trace = _untaken_trace
+
+
+def _dynamo_wraps_trace_first() -> None:
+    """Dynamo wraps ``Tracer.trace`` once per process, at the first ``torch.compile``: done before
+    the turns are installed, its wrapper is inside theirs, and stays as they are taken off."""
+    import torch._dynamo.eval_frame  # the compile imports it anyway
+
+    patcher = getattr(torch._dynamo.eval_frame, "TorchPatcher", None)
+    if patcher is not None:
+        patcher.patch()
 
 
 def _taking_turns(trace):
