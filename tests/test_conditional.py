@@ -86,7 +86,7 @@ class _Capture:
     def __init__(self):
         self.breaks = []
 
-    def run_break(self, function, args, kwargs, name=None, **_):
+    def run_break(self, function, args, kwargs, name, **_):
         self.breaks.append(name)
         return function(*args, **kwargs)
 

@@ -242,6 +242,18 @@ class Traced(torch.nn.Module):
         return self.linear(x).relu()
 
 
+def compiling_in_background_with(backend, started: threading.Event):
+    """A Generator whose first generate() started a background compile with ``backend``, which
+    sets ``started``; its prompts, and transformers' tokens for them."""
+    model = small(LlamaForCausalLM, LlamaConfig)
+    gen = generator(model, compile={"backend": backend}, max_batch_size=2, compile_in_background=True)
+    ids = torch.randint(0, 300, (2, 6))
+    expected = transformers_eager_generate(model, ids, 3)
+    assert torch.equal(gen.generate(ids, 3), expected)  # the compile starts as it returns
+    assert started.wait(timeout=60)
+    return gen, ids, expected
+
+
 @pytest.mark.filterwarnings("ignore:breakgraph. no CUDA GPU")
 def test_the_serving_thread_runs_its_model_between_the_background_compiles_fx_traces():
     """torch.fx patches torch.nn.Module.__call__ for the whole process while it traces: a prefill on the
@@ -255,16 +267,44 @@ def test_the_serving_thread_runs_its_model_between_the_background_compiles_fx_tr
             torch.fx.symbolic_trace(Traced())
         return graph.forward
 
-    model = small(LlamaForCausalLM, LlamaConfig)
-    gen = generator(model, compile={"backend": tracing_backend}, max_batch_size=2, compile_in_background=True)
-    ids = torch.randint(0, 300, (2, 6))
-    expected = transformers_eager_generate(model, ids, 3)
-    assert torch.equal(gen.generate(ids, 3), expected)  # the compile starts as it returns
-    assert started.wait(timeout=60)
+    gen, ids, expected = compiling_in_background_with(tracing_backend, started)
     for _ in range(10):  # while the compile traces, again and again
         assert torch.equal(gen.generate(ids, 3), expected)
     gen.wait_for_compile()
     assert not traces_wait_for_their_turn()  # once no compile runs
+
+
+@pytest.mark.filterwarnings("ignore:breakgraph. no CUDA GPU")
+def test_a_trace_that_waits_too_long_for_its_turn_fails_the_compile_and_serving_goes_on(monkeypatch):
+    """An eager forward that runs torch.compile'd code holds the turn while it waits for Dynamo's
+    compile lock, which the background compile holds while it traces: the trace gives up."""
+    monkeypatch.setattr(tracing, "TURN_WAIT_S", 0.2)
+    started, go, held, done = (threading.Event() for _ in range(4))
+
+    def hold_the_turn():  # stands in for the forward that waits on the compile
+        with tracing.turn:
+            held.set()
+            done.wait(timeout=60)
+
+    def tracing_backend(graph, example_inputs):
+        started.set()
+        go.wait(timeout=60)
+        torch.fx.symbolic_trace(Traced())
+        return graph.forward
+
+    gen, ids, expected = compiling_in_background_with(tracing_backend, started)
+    holder = threading.Thread(target=hold_the_turn)
+    holder.start()
+    held.wait(timeout=60)
+    go.set()  # the compile traces now, while the turn is held
+    try:
+        with pytest.raises(RuntimeError, match="compiling the decode step in the background failed") as raised:
+            gen.wait_for_compile()
+        assert "waited 0.2 s for a Generator's eager forward" in str(raised.value.__cause__)
+    finally:
+        done.set()
+        holder.join()
+    assert torch.equal(gen.generate(ids, 3), expected) and not gen.compiled
 
 
 def traces_wait_for_their_turn() -> bool:

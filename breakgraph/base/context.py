@@ -28,14 +28,15 @@ class ActiveCapture(Protocol):
         function: Callable,
         args: tuple,
         kwargs: dict,
-        name: str | None = None,
+        name: str,
         *,
         inline: Callable | bool | None = None,
         stub: Callable | None = None,
     ) -> Any:
         """End the open segment, run ``function`` (or its ``stub``) eagerly and record it,
         begin the next segment; in a full-graph capture, record ``inline`` (a capturable
-        variant, or True for ``function`` itself) inside the open segment instead."""
+        variant, or True for ``function`` itself) inside the open segment instead. ``name``
+        names the break in segment names and errors."""
 
     def random_op(self, op: Callable, call: Callable, args: tuple, kwargs: dict) -> Any:
         """Run a random op the op watch met inside a segment: in a segment torch records

@@ -31,8 +31,8 @@ class CompilePhase(enum.Enum):
 
     UNCOMPILED = "uncompiled"  # compile=False: the model's forward serves
     AHEAD = "to compile ahead"  # compile=True: the first capture compiles first
-    WAITING = "waiting for the first capture"  # compile_in_background: the first capture, or call no size serves, is uncompiled
-    DUE = "compile due"  # the uncompiled steps are captured; the compile starts as generate() returns
+    WAITING = "waiting for the first capture"  # compile_in_background: the first call serves uncompiled
+    DUE = "compile due"  # the first steps are captured uncompiled, or none serve: the compile starts as generate() returns
     RUNNING = "compiling"  # in a thread of its own, the uncompiled steps serving
     SERVING = "compiled"  # the compiled forward serves, and is what the steps capture
     FAILED = "compile failed"  # the background compile raised: the model's forward serves from then on
@@ -59,7 +59,7 @@ class CaptureLifecycle:
 
     * :meth:`capture` captures steps: in ``AHEAD`` it compiles first (where the
       runners capture) and moves to ``SERVING``, captures or not; in ``WAITING`` it captures
-      uncompiled and moves to ``DUE``; in ``RUNNING`` it takes the compile
+      uncompiled, or finds no size that serves the call, and moves to ``DUE``; in ``RUNNING`` it takes the compile
       first, waiting for it where a step is still to capture (CUDA refuses
       another thread's allocations while one captures).
     * :meth:`start`: ``DUE`` to ``RUNNING``.

@@ -20,6 +20,11 @@ import torch
 turn = threading.RLock()
 """Held by a trace while a background compile runs, and by every eager forward of a Generator."""
 
+TURN_WAIT_S = 60.0
+"""How long a trace waits for its turn before it fails its compile. An eager forward that runs
+``torch.compile``'d code holds the turn while it waits for Dynamo's compile lock, which the
+background compile holds while it traces: without a limit, each would wait for the other."""
+
 _patching = threading.Lock()
 _compiles_running = 0
 _untaken_trace = None  # torch.fx.Tracer.trace as it was before the first compile that runs now
@@ -57,9 +62,17 @@ def _dynamo_wraps_trace_first() -> None:
 
 
 def _taking_turns(trace):
-    @functools.wraps(trace)
+    @functools.wraps(trace, updated=())  # not Dynamo's marks of its own wrapper, which this is not
     def trace_in_turn(self, *args, **kwargs):
-        with turn:
+        if not turn.acquire(timeout=TURN_WAIT_S):
+            raise RuntimeError(
+                f"breakgraph: a torch.fx trace of a background compile waited {TURN_WAIT_S:g} s for a Generator's "
+                "eager forward, which may itself wait for this compile (torch.compile'd code inside the model): "
+                "the compile gives up. Compile such a model up front (compile_in_background=False)."
+            )
+        try:
             return trace(self, *args, **kwargs)
+        finally:
+            turn.release()
 
     return trace_in_turn
