@@ -58,10 +58,11 @@ class CaptureLifecycle:
     """The steps captured so far and the phase of the compile, moved by named transitions.
 
     * :meth:`capture` captures steps: in ``AHEAD`` it compiles first (where the
-      runners capture) and moves to ``SERVING``, captures or not; in ``WAITING`` it captures
-      uncompiled, or finds no size that serves the call, and moves to ``DUE``; in ``RUNNING`` it takes the compile
-      first, waiting for it where a step is still to capture (CUDA refuses
-      another thread's allocations while one captures).
+      runners capture) and moves to ``SERVING``, captures or not; in ``WAITING``
+      it captures uncompiled, or finds no size that serves the call, and moves
+      to ``DUE``; in ``RUNNING`` it takes the compile first, waiting for it
+      where a step is still to capture (CUDA refuses another thread's
+      allocations while one captures).
     * :meth:`start`: ``DUE`` to ``RUNNING``.
     * :meth:`take`: ``RUNNING`` to ``SERVING``, capturing the captured steps
       again, compiled; or to ``FAILED``, where the compiled forward is dropped.

@@ -3,7 +3,8 @@ memory, and how it replays.
 
 At capture it runs eagerly (:func:`run_eagerly`, which in debug mode warns of
 what it keeps in the graph's pool), or, in a full-graph capture, its
-capturable variant runs inside the segment (:func:`run_inline`). Arguments are kept as non-owning aliases (containers walked, objects kept by
+capturable variant runs inside the segment (:func:`run_inline`). Arguments
+are kept as non-owning aliases (containers walked, objects kept by
 reference), the result as aliases when it is only CUDA tensors, plus the
 writer that puts every replay's result where later segments read it. A
 backward that reaches autograd history made inside the break is refused,
