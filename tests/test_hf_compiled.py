@@ -282,7 +282,7 @@ def test_a_trace_that_waits_too_long_for_its_turn_fails_the_compile_and_serving_
     started, go, held, done = (threading.Event() for _ in range(4))
 
     def hold_the_turn():  # stands in for the forward that waits on the compile
-        with tracing.turn:
+        with tracing.turns.forward():
             held.set()
             done.wait(timeout=60)
 
@@ -308,11 +308,11 @@ def test_a_trace_that_waits_too_long_for_its_turn_fails_the_compile_and_serving_
 
 
 def traces_wait_for_their_turn() -> bool:
-    """Whether a torch.fx trace waits while another thread holds the turn."""
+    """Whether a torch.fx trace waits while another thread runs a forward."""
     held, done = threading.Event(), threading.Event()
 
     def hold():
-        with tracing.turn:
+        with tracing.turns.forward():
             held.set()
             done.wait(timeout=60)
 
@@ -338,6 +338,66 @@ def test_traces_take_turns_while_any_background_compile_runs_and_torch_dynamo_ke
         assert traces_wait_for_their_turn()  # the first still runs
     assert not traces_wait_for_their_turn()
     assert torch.fx.Tracer.trace is wrapped_by_dynamo
+
+
+def runs_at_once(work) -> bool:
+    """Whether ``work`` ends within half a second on a thread of its own (it is left to end later)."""
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    thread.join(timeout=0.5)
+    return not thread.is_alive()
+
+
+def test_forwards_run_side_by_side_and_a_trace_goes_alone_before_the_forwards_that_come_after_it():
+    turns, in_forward, done = tracing.Turns(), threading.Event(), threading.Event()
+    order = []
+
+    def forward(name, until=None):
+        with turns.forward():
+            order.append(name)
+            in_forward.set()
+            if until is not None:
+                until.wait(timeout=60)
+
+    def trace():
+        assert turns.begin_trace(60)
+        order.append("trace")
+        turns.end_trace()
+
+    holder = threading.Thread(target=forward, args=("first", done))
+    holder.start()
+    in_forward.wait(timeout=60)
+    assert runs_at_once(lambda: forward("beside"))  # forwards do not wait for each other
+    assert not turns.begin_trace(0.2)  # a trace waits for the forward under way
+    tracer = threading.Thread(target=trace)
+    tracer.start()
+    deadline = time.perf_counter() + 10
+    while not turns._traces_waiting and time.perf_counter() < deadline:  # the trace is waiting
+        time.sleep(0.01)
+    late = threading.Thread(target=forward, args=("late",))
+    late.start()
+    time.sleep(0.2)
+    assert order == ["first", "beside"]  # the trace waits, and the forward that came after it too
+    done.set()
+    for thread in (holder, tracer, late):
+        thread.join(timeout=60)
+    assert order == ["first", "beside", "trace", "late"]
+
+
+def test_a_thread_traces_inside_its_own_forward_and_runs_a_forward_inside_its_own_trace():
+    turns, went = tracing.Turns(), []
+
+    def trace_in_forward():
+        with turns.forward():
+            went.append(turns.begin_trace(0.2))
+            with turns.forward():
+                went.append(turns.begin_trace(0.2))  # nested traces, as Inductor's passes trace inside a trace
+                turns.end_trace()
+            turns.end_trace()
+
+    assert runs_at_once(trace_in_forward) and went == [True, True]
+    assert turns.begin_trace(0.2)  # nothing is left held
+    turns.end_trace()
 
 
 @pytest.mark.filterwarnings("ignore:breakgraph. no CUDA GPU")

@@ -81,7 +81,7 @@ class ModelForward:
             if self._takes_cache_position:
                 inputs["cache_position"] = position_ids[0]  # what transformers does with them, breakgraph's cache ignores
         # The model's own forward takes its turn with a background compile's traces (see tracing).
-        with generating_into(cache), tracing.turn if compiled is None else contextlib.nullcontext():
+        with generating_into(cache), tracing.turns.forward() if compiled is None else contextlib.nullcontext():
             output = forward(**inputs)
         return output.logits[:, -1]
 

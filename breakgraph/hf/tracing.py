@@ -5,25 +5,88 @@ AOTAutograd's ``make_fx``), it patches ``torch.nn.Module.__call__`` and the
 traced code's globals for the whole process. A model run on another thread
 meanwhile goes into the tracer and fails (``NameError: module is not
 installed as a submodule``). So while a background compile runs, each of its
-traces and each eager forward of the serving thread takes :data:`turn` first:
-a prefill waits for the trace under way, and a trace for the prefill.
+traces goes alone (:data:`turns`): a prefill waits for the trace under way, and a
+trace for the forwards under way. Forwards run side by side.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import threading
+from typing import Iterator
 
 import torch
 
-turn = threading.RLock()
-"""Held by a trace while a background compile runs, and by every eager forward of a Generator."""
+
+class Turns:
+    """Eager forwards side by side, each torch.fx trace alone.
+
+    A trace waits for the forwards under way and goes before forwards that
+    come after it began waiting, so a steady stream of prefills cannot hold a
+    compile off. A thread may trace inside its own forward (a model that runs
+    ``torch.compile``'d code) and run a forward inside its own trace.
+    """
+
+    def __init__(self):
+        self._changed = threading.Condition()
+        self._forwards: collections.Counter[int] = collections.Counter()  # per thread, how deep
+        self._tracer: int | None = None
+        self._trace_depth = 0
+        self._traces_waiting = 0
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        """Run a forward: after the trace under way, and any trace waiting, unless this thread is
+        in a forward or a trace already."""
+        me = threading.get_ident()
+
+        def may_go() -> bool:  # inside a forward or a trace already, or no trace under way or waiting
+            return self._tracer == me or me in self._forwards or (self._tracer is None and not self._traces_waiting)
+
+        with self._changed:
+            self._changed.wait_for(may_go)
+            self._forwards[me] += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._forwards[me] -= 1
+                if not self._forwards[me]:
+                    del self._forwards[me]
+                self._changed.notify_all()
+
+    def begin_trace(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until no other thread traces or runs a forward, then trace;
+        False where the wait ran out (nothing is held then)."""
+        me = threading.get_ident()
+        with self._changed:
+            self._traces_waiting += 1
+            try:
+                alone = self._changed.wait_for(lambda: self._tracer in (None, me) and self._forwards.keys() <= {me}, timeout)
+            finally:
+                self._traces_waiting -= 1
+                self._changed.notify_all()  # forwards held back by this wait may go, if it ran out
+            if alone:
+                self._tracer, self._trace_depth = me, self._trace_depth + 1
+            return alone
+
+    def end_trace(self) -> None:
+        with self._changed:
+            self._trace_depth -= 1
+            if not self._trace_depth:
+                self._tracer = None
+            self._changed.notify_all()
+
+
+turns = Turns()
+"""What a background compile's traces and the Generators' eager forwards take."""
 
 TURN_WAIT_S = 60.0
 """How long a trace waits for its turn before it fails its compile. An eager forward that runs
-``torch.compile``'d code holds the turn while it waits for Dynamo's compile lock, which the
-background compile holds while it traces: without a limit, each would wait for the other."""
+``torch.compile``'d code waits for Dynamo's compile lock, which the background compile holds
+while it traces, and the trace for that forward: without a limit, each would wait for the other."""
 
 _patching = threading.Lock()
 _compiles_running = 0
@@ -33,7 +96,7 @@ _trace_in_turn = None  # what replaced it
 
 @contextlib.contextmanager
 def traces_take_turns():
-    """While held (by any number of background compiles), every torch.fx trace takes :data:`turn`;
+    """While held (by any number of background compiles), every torch.fx trace goes alone (:data:`turns`);
     torch's own method is put back as the last one ends, unless something replaced it meanwhile."""
     global _compiles_running, _untaken_trace, _trace_in_turn
     with _patching:
@@ -64,7 +127,7 @@ def _dynamo_wraps_trace_first() -> None:
 def _taking_turns(trace):
     @functools.wraps(trace, updated=())  # not Dynamo's marks of its own wrapper, which this is not
     def trace_in_turn(self, *args, **kwargs):
-        if not turn.acquire(timeout=TURN_WAIT_S):
+        if not turns.begin_trace(TURN_WAIT_S):
             raise RuntimeError(
                 f"breakgraph: a torch.fx trace of a background compile waited {TURN_WAIT_S:g} s for a Generator's "
                 "eager forward, which may itself wait for this compile (torch.compile'd code inside the model): "
@@ -73,6 +136,6 @@ def _taking_turns(trace):
         try:
             return trace(self, *args, **kwargs)
         finally:
-            turn.release()
+            turns.end_trace()
 
     return trace_in_turn
