@@ -300,7 +300,7 @@ def test_a_trace_that_waits_too_long_for_its_turn_fails_the_compile_and_serving_
     try:
         with pytest.raises(RuntimeError, match="compiling the decode step in the background failed") as raised:
             gen.wait_for_compile()
-        assert "waited 0.2 s for a Generator's eager forward" in str(raised.value.__cause__)
+        assert "waited 0.2 s for a Generator's eager forward while a compile runs" in str(raised.value.__cause__)
     finally:
         done.set()
         holder.join()
@@ -340,48 +340,110 @@ def test_traces_take_turns_while_any_background_compile_runs_and_torch_dynamo_ke
     assert torch.fx.Tracer.trace is wrapped_by_dynamo
 
 
-def runs_at_once(work) -> bool:
-    """Whether ``work`` ends within half a second on a thread of its own (it is left to end later)."""
+def in_thread(work) -> threading.Thread:
     thread = threading.Thread(target=work, daemon=True)
     thread.start()
-    thread.join(timeout=0.5)
+    return thread
+
+
+def still_waits(thread: threading.Thread) -> bool:
+    thread.join(timeout=0.3)
+    return thread.is_alive()
+
+
+def ends(thread: threading.Thread) -> bool:
+    thread.join(timeout=10)
     return not thread.is_alive()
 
 
-def test_forwards_run_side_by_side_and_a_trace_goes_alone_before_the_forwards_that_come_after_it():
-    turns, in_forward, done = tracing.Turns(), threading.Event(), threading.Event()
-    order = []
+def wait_until(condition) -> None:
+    deadline = time.perf_counter() + 10
+    while not condition():
+        assert time.perf_counter() < deadline, "the other thread never got there"
+        time.sleep(0.01)
 
-    def forward(name, until=None):
+
+def forward_until(turns: tracing.Turns, name: str, order: list, done: threading.Event | None = None):
+    def forward():
         with turns.forward():
             order.append(name)
-            in_forward.set()
-            if until is not None:
-                until.wait(timeout=60)
+            if done is not None:
+                done.wait(timeout=60)
+
+    return forward
+
+
+def test_forwards_run_side_by_side_and_a_trace_goes_alone_before_the_forwards_that_come_after_it():
+    turns, order, done = tracing.Turns(), [], threading.Event()
+    first = in_thread(forward_until(turns, "first", order, done))
+    wait_until(lambda: order == ["first"])
+    assert ends(in_thread(forward_until(turns, "beside", order)))  # forwards do not wait for each other
+    assert not turns.begin_trace(0.2)  # a trace waits for the forwards under way
 
     def trace():
         assert turns.begin_trace(60)
         order.append("trace")
         turns.end_trace()
 
-    holder = threading.Thread(target=forward, args=("first", done))
-    holder.start()
-    in_forward.wait(timeout=60)
-    assert runs_at_once(lambda: forward("beside"))  # forwards do not wait for each other
-    assert not turns.begin_trace(0.2)  # a trace waits for the forward under way
-    tracer = threading.Thread(target=trace)
-    tracer.start()
-    deadline = time.perf_counter() + 10
-    while not turns._traces_waiting and time.perf_counter() < deadline:  # the trace is waiting
-        time.sleep(0.01)
-    late = threading.Thread(target=forward, args=("late",))
-    late.start()
-    time.sleep(0.2)
-    assert order == ["first", "beside"]  # the trace waits, and the forward that came after it too
+    tracer = in_thread(trace)
+    wait_until(lambda: turns._traces_waiting == 1)
+    late = in_thread(forward_until(turns, "late", order))
+    assert still_waits(late) and order == ["first", "beside"]  # behind the trace that waits
     done.set()
-    for thread in (holder, tracer, late):
-        thread.join(timeout=60)
+    assert all(map(ends, (first, tracer, late)))
     assert order == ["first", "beside", "trace", "late"]
+
+
+def test_while_a_compile_runs_forwards_go_one_thread_at_a_time_and_each_may_trace_inside_itself():
+    turns, order, traced, done = tracing.Turns(), [], [], threading.Event()
+    turns.count_compile(+1)
+
+    def forward_that_traces():
+        with turns.forward():
+            order.append("first")
+            done.wait(timeout=60)
+            traced.append(turns.begin_trace(0.2))  # no other thread's forward is under way: at once
+            turns.end_trace()
+
+    first = in_thread(forward_that_traces)
+    wait_until(lambda: order == ["first"])
+    second = in_thread(forward_until(turns, "second", order))
+    assert still_waits(second)
+    done.set()
+    assert ends(first) and ends(second)
+    assert traced == [True] and order == ["first", "second"]
+    turns.count_compile(-1)
+
+
+def test_a_trace_that_runs_out_of_time_lets_the_forwards_behind_it_go():
+    turns, order, done = tracing.Turns(), [], threading.Event()
+    holder = in_thread(forward_until(turns, "holder", order, done))
+    wait_until(lambda: order == ["holder"])
+    tracer = in_thread(lambda: turns.begin_trace(0.5))
+    wait_until(lambda: turns._traces_waiting == 1)
+    behind = in_thread(forward_until(turns, "behind", order))
+    assert ends(tracer) and ends(behind)  # while the holder still runs
+    assert order == ["holder", "behind"]
+    done.set()
+    assert ends(holder)
+
+
+def test_a_nested_trace_that_ends_leaves_the_outer_one_alone():
+    turns, order, inner_ended, finish = tracing.Turns(), [], threading.Event(), threading.Event()
+
+    def nested_traces():
+        assert turns.begin_trace(1) and turns.begin_trace(1)  # as Inductor's passes trace inside a trace
+        turns.end_trace()
+        inner_ended.set()
+        finish.wait(timeout=60)
+        turns.end_trace()
+
+    tracer = in_thread(nested_traces)
+    inner_ended.wait(timeout=10)
+    forward = in_thread(forward_until(turns, "forward", order))
+    assert still_waits(forward)
+    finish.set()
+    assert ends(tracer) and ends(forward) and order == ["forward"]
 
 
 def test_a_thread_traces_inside_its_own_forward_and_runs_a_forward_inside_its_own_trace():
@@ -391,11 +453,11 @@ def test_a_thread_traces_inside_its_own_forward_and_runs_a_forward_inside_its_ow
         with turns.forward():
             went.append(turns.begin_trace(0.2))
             with turns.forward():
-                went.append(turns.begin_trace(0.2))  # nested traces, as Inductor's passes trace inside a trace
+                went.append(turns.begin_trace(0.2))
                 turns.end_trace()
             turns.end_trace()
 
-    assert runs_at_once(trace_in_forward) and went == [True, True]
+    assert ends(in_thread(trace_in_forward)) and went == [True, True]
     assert turns.begin_trace(0.2)  # nothing is left held
     turns.end_trace()
 

@@ -6,7 +6,7 @@ traced code's globals for the whole process. A model run on another thread
 meanwhile goes into the tracer and fails (``NameError: module is not
 installed as a submodule``). So while a background compile runs, each of its
 traces goes alone (:data:`turns`): a prefill waits for the trace under way, and a
-trace for the forwards under way. Forwards run side by side.
+trace for the forwards under way.
 """
 
 from __future__ import annotations
@@ -21,29 +21,45 @@ import torch
 
 
 class Turns:
-    """Eager forwards side by side, each torch.fx trace alone.
+    """The Generators' eager forwards and the torch.fx traces of background compiles, in turns.
 
-    A trace waits for the forwards under way and goes before forwards that
-    come after it began waiting, so a steady stream of prefills cannot hold a
-    compile off. A thread may trace inside its own forward (a model that runs
-    ``torch.compile``'d code) and run a forward inside its own trace.
+    Each trace goes alone: it waits for the forwards under way, and forwards
+    that come while it waits go after it, so a steady stream of prefills
+    cannot hold a compile off. While no background compile runs, forwards on
+    different threads run side by side. While one runs, they go one thread at
+    a time: a forward may trace (its model runs ``torch.compile``'d code), and
+    two threads' forwards that each waited to trace would wait for each
+    other. A thread may trace inside its own forward, and run a forward inside
+    its own trace.
     """
 
     def __init__(self):
         self._changed = threading.Condition()
+        self._compiles = 0  # background compiles running
         self._forwards: collections.Counter[int] = collections.Counter()  # per thread, how deep
         self._tracer: int | None = None
         self._trace_depth = 0
         self._traces_waiting = 0
 
+    def count_compile(self, change: int) -> int:
+        """Count a background compile in (+1) or out (-1); how many run now."""
+        with self._changed:
+            self._compiles += change
+            self._changed.notify_all()
+            return self._compiles
+
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
-        """Run a forward: after the trace under way, and any trace waiting, unless this thread is
-        in a forward or a trace already."""
+        """Run a forward: after the trace under way or waiting and, while a background compile runs,
+        after other threads' forwards; at once where this thread is in a forward or a trace already."""
         me = threading.get_ident()
 
-        def may_go() -> bool:  # inside a forward or a trace already, or no trace under way or waiting
-            return self._tracer == me or me in self._forwards or (self._tracer is None and not self._traces_waiting)
+        def may_go() -> bool:
+            if self._tracer == me or me in self._forwards:
+                return True
+            if self._tracer is not None or self._traces_waiting:
+                return False
+            return not self._compiles or not self._forwards
 
         with self._changed:
             self._changed.wait_for(may_go)
@@ -81,7 +97,7 @@ class Turns:
 
 
 turns = Turns()
-"""What a background compile's traces and the Generators' eager forwards take."""
+"""What the traces of background compiles and the Generators' eager forwards take."""
 
 TURN_WAIT_S = 60.0
 """How long a trace waits for its turn before it fails its compile. An eager forward that runs
@@ -89,7 +105,6 @@ TURN_WAIT_S = 60.0
 while it traces, and the trace for that forward: without a limit, each would wait for the other."""
 
 _patching = threading.Lock()
-_compiles_running = 0
 _untaken_trace = None  # torch.fx.Tracer.trace as it was before the first compile that runs now
 _trace_in_turn = None  # what replaced it
 
@@ -98,19 +113,17 @@ _trace_in_turn = None  # what replaced it
 def traces_take_turns():
     """While held (by any number of background compiles), every torch.fx trace goes alone (:data:`turns`);
     torch's own method is put back as the last one ends, unless something replaced it meanwhile."""
-    global _compiles_running, _untaken_trace, _trace_in_turn
+    global _untaken_trace, _trace_in_turn
     with _patching:
-        if _compiles_running == 0:
+        if turns.count_compile(+1) == 1:
             _dynamo_wraps_trace_first()
             _untaken_trace = torch.fx.Tracer.trace
             _trace_in_turn = torch.fx.Tracer.trace = _taking_turns(_untaken_trace)
-        _compiles_running += 1
     try:
         yield
     finally:
         with _patching:
-            _compiles_running -= 1
-            if _compiles_running == 0 and torch.fx.Tracer.trace is _trace_in_turn:
+            if turns.count_compile(-1) == 0 and torch.fx.Tracer.trace is _trace_in_turn:
                 torch.fx.Tracer.trace = _untaken_trace
 
 
@@ -129,9 +142,10 @@ def _taking_turns(trace):
     def trace_in_turn(self, *args, **kwargs):
         if not turns.begin_trace(TURN_WAIT_S):
             raise RuntimeError(
-                f"breakgraph: a torch.fx trace of a background compile waited {TURN_WAIT_S:g} s for a Generator's "
-                "eager forward, which may itself wait for this compile (torch.compile'd code inside the model): "
-                "the compile gives up. Compile such a model up front (compile_in_background=False)."
+                f"breakgraph: a torch.fx trace waited {TURN_WAIT_S:g} s for a Generator's eager forward while a "
+                "compile runs in the background; the forward may itself wait for this compile (torch.compile'd "
+                "code inside the model), so the compile gives up. Compile such a model up front "
+                "(compile_in_background=False)."
             )
         try:
             return trace(self, *args, **kwargs)
