@@ -242,6 +242,39 @@ class Traced(torch.nn.Module):
         return self.linear(x).relu()
 
 
+def in_thread(work) -> threading.Thread:
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    return thread
+
+
+def still_waits(thread: threading.Thread) -> bool:
+    thread.join(timeout=0.3)
+    return thread.is_alive()
+
+
+def ends(thread: threading.Thread) -> bool:
+    thread.join(timeout=10)
+    return not thread.is_alive()
+
+
+def wait_until(condition) -> None:
+    deadline = time.perf_counter() + 10
+    while not condition():
+        assert time.perf_counter() < deadline, "the other thread never got there"
+        time.sleep(0.01)
+
+
+def forward_until(turns: tracing.Turns, name: str, order: list, done: threading.Event | None = None):
+    def forward():
+        with turns.forward():
+            order.append(name)
+            if done is not None:
+                done.wait(timeout=60)
+
+    return forward
+
+
 def compiling_in_background_with(backend, started: threading.Event):
     """A Generator whose first generate() started a background compile with ``backend``, which
     sets ``started``; its prompts, and transformers' tokens for them."""
@@ -279,12 +312,7 @@ def test_a_trace_that_waits_too_long_for_its_turn_fails_the_compile_and_serving_
     """An eager forward that runs torch.compile'd code holds the turn while it waits for Dynamo's
     compile lock, which the background compile holds while it traces: the trace gives up."""
     monkeypatch.setattr(tracing, "TURN_WAIT_S", 0.2)
-    started, go, held, done = (threading.Event() for _ in range(4))
-
-    def hold_the_turn():  # stands in for the forward that waits on the compile
-        with tracing.turns.forward():
-            held.set()
-            done.wait(timeout=60)
+    started, go, done, order = threading.Event(), threading.Event(), threading.Event(), []
 
     def tracing_backend(graph, example_inputs):
         started.set()
@@ -293,9 +321,8 @@ def test_a_trace_that_waits_too_long_for_its_turn_fails_the_compile_and_serving_
         return graph.forward
 
     gen, ids, expected = compiling_in_background_with(tracing_backend, started)
-    holder = threading.Thread(target=hold_the_turn)
-    holder.start()
-    held.wait(timeout=60)
+    holder = in_thread(forward_until(tracing.turns, "holder", order, done))  # the forward that waits on the compile
+    wait_until(lambda: order == ["holder"])
     go.set()  # the compile traces now, while the turn is held
     try:
         with pytest.raises(RuntimeError, match="compiling the decode step in the background failed") as raised:
@@ -309,18 +336,10 @@ def test_a_trace_that_waits_too_long_for_its_turn_fails_the_compile_and_serving_
 
 def traces_wait_for_their_turn() -> bool:
     """Whether a torch.fx trace waits while another thread runs a forward."""
-    held, done = threading.Event(), threading.Event()
-
-    def hold():
-        with tracing.turns.forward():
-            held.set()
-            done.wait(timeout=60)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    held.wait(timeout=60)
-    tracer = threading.Thread(target=lambda: torch.fx.symbolic_trace(Traced()))
-    tracer.start()
+    order, done = [], threading.Event()
+    holder = in_thread(forward_until(tracing.turns, "holder", order, done))
+    wait_until(lambda: order == ["holder"])
+    tracer = in_thread(lambda: torch.fx.symbolic_trace(Traced()))
     tracer.join(timeout=2)
     waited = tracer.is_alive()
     done.set()
@@ -338,39 +357,6 @@ def test_traces_take_turns_while_any_background_compile_runs_and_torch_dynamo_ke
         assert traces_wait_for_their_turn()  # the first still runs
     assert not traces_wait_for_their_turn()
     assert torch.fx.Tracer.trace is wrapped_by_dynamo
-
-
-def in_thread(work) -> threading.Thread:
-    thread = threading.Thread(target=work, daemon=True)
-    thread.start()
-    return thread
-
-
-def still_waits(thread: threading.Thread) -> bool:
-    thread.join(timeout=0.3)
-    return thread.is_alive()
-
-
-def ends(thread: threading.Thread) -> bool:
-    thread.join(timeout=10)
-    return not thread.is_alive()
-
-
-def wait_until(condition) -> None:
-    deadline = time.perf_counter() + 10
-    while not condition():
-        assert time.perf_counter() < deadline, "the other thread never got there"
-        time.sleep(0.01)
-
-
-def forward_until(turns: tracing.Turns, name: str, order: list, done: threading.Event | None = None):
-    def forward():
-        with turns.forward():
-            order.append(name)
-            if done is not None:
-                done.wait(timeout=60)
-
-    return forward
 
 
 def test_forwards_run_side_by_side_and_a_trace_goes_alone_before_the_forwards_that_come_after_it():
