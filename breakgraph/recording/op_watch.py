@@ -133,12 +133,11 @@ class _KeyWatch:
                 self._libraries = self._first_libraries()
             except (RuntimeError, AttributeError, TypeError):
                 self._libraries, self._watched = {}, set()
-            self._defined = defined
-            return
-        for func in _watched_ops():
-            if func not in self._watched:
-                with contextlib.suppress(RuntimeError, AttributeError, TypeError):
-                    self._watch(self._libraries, func)
+        else:
+            for func in _watched_ops():
+                if func not in self._watched:
+                    with contextlib.suppress(RuntimeError, AttributeError, TypeError):
+                        self._watch(self._libraries, func)
         self._defined = defined
 
     def _first_libraries(self) -> dict:
