@@ -1,5 +1,7 @@
 """A runner's static inputs: live batches checked, copied in and padded, outputs cut to the live rows."""
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -47,6 +49,27 @@ def test_live_rows_clones_when_asked():
     static = torch.arange(8.0)
     out = live_rows(static[:4], 4, 3, clone=True)
     assert torch.equal(out, torch.arange(3.0)) and out.data_ptr() != static.data_ptr()
+
+
+@dataclasses.dataclass
+class _Scores:
+    logits: torch.Tensor
+    hidden: list
+
+
+class _Plain:
+    def __init__(self, logits):
+        self.logits = logits
+
+
+def test_live_rows_cuts_and_clones_the_tensors_inside_dataclasses_and_objects():
+    static = torch.arange(16.0).reshape(8, 2)
+    for output in (_Scores(static, [static, "kept"]), _Plain(static)):
+        out = live_rows(output, 8, 3, clone=True)
+        assert type(out) is type(output) and out is not output and output.logits is static
+        assert torch.equal(out.logits, static[:3]) and out.logits.data_ptr() != static.data_ptr()
+    scores = live_rows(_Scores(static, [static, "kept"]), 8, 3, clone=False)
+    assert scores.hidden[0].shape == (3, 2) and scores.hidden[0].data_ptr() == static.data_ptr() and scores.hidden[1] == "kept"
 
 
 def test_live_inputs_that_do_not_fit_the_buffers_are_named():

@@ -201,6 +201,6 @@ def live_rows(output: Any, size: int, n: int, clone: bool) -> Any:
 
     if type(output) is torch.Tensor:  # the common case, without taking it apart
         return rows(output)
-    return trees.map_tensors(rows, output)
+    return trees.map_tensors(rows, output, objects=True)  # dataclasses and objects too, as a capture allows them
 
 

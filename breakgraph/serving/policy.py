@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
@@ -130,21 +130,29 @@ class CapturePolicy:
             seen.add(key)
         return warmups
 
-    def capture_on_first_use(self, key: Hashable, size: int, pool: torch.cuda.MemPool, after: Callable[[], None]) -> GraphedCallable | None:
-        """Lazy capture: capture (key, size), call ``after()`` (sharing), replay once, and
-        remember how long the whole first use took."""
+    def capture_on_first_use(
+        self, key: Hashable, size: int, pool: torch.cuda.MemPool, after: Callable[[], None]
+    ) -> tuple[GraphedCallable, Any] | None:
+        """Lazy capture: capture (key, size), call ``after()`` (sharing), and replay once for
+        the call that needed it, remembering how long the whole first use took. Returns the
+        graph and that replay's output, or None where the capture failed (served eagerly)."""
         started = time.perf_counter()
         graphed = self.capture(key, size, pool)
-        if graphed is not None:
-            after()
-            graphed.replay()
-            torch.cuda.current_stream().synchronize()
-            self.first_use_seconds[(key, size)] = time.perf_counter() - started
-        return graphed
+        if graphed is None:
+            return None
+        after()
+        output = graphed.replay()
+        torch.cuda.current_stream(graphed.graph.device).synchronize()
+        self.first_use_seconds[(key, size)] = time.perf_counter() - started
+        return graphed, output
 
     def forget(self) -> None:
-        """Drop every graph (the runner releases its memory); failures are kept."""
+        """Drop every graph and what was learnt capturing it (the runner releases its
+        memory); failures are kept."""
         self.graphed.clear()
+        self.capture_seconds.clear()
+        self.first_use_seconds.clear()
+        self.warmed_up.clear()
 
     def _warm_up_and_capture(self, key: Hashable, size: int, pool: torch.cuda.MemPool, measure: bool) -> GraphedCallable:
         warmup = self.options.warmup

@@ -126,7 +126,8 @@ class GraphRunner:
             keys (sequence of keys, optional): capture only these keys' sizes now (the
                 others by a later call, or on first use); default: every key.
             sizes (sequence of int, optional): capture only these of the keys' sizes now
-                (a size a key does not have is skipped); default: every size.
+                (a size some of the keys lack is skipped for those; one that none of them
+                has is refused); default: every size.
         """
         wanted = self.keys if keys is None else known_keys(keys, self.keys)
         work = [(key, size) for key in wanted for size in self.sizes_by_key[key]]
@@ -135,6 +136,8 @@ class GraphRunner:
             work = [(key, size) for key, size in work if size in chosen]
         if self.eager_reason is not None:
             return self
+        if self._memory.released is not None:
+            raise RuntimeError("this GraphRunner is released (runner.release()): call runner.restore() first, which captures again what was captured")
         self.inputs.require_cuda()
         if self.options.lazy:
             self._memory.ensure_pool()
@@ -146,17 +149,16 @@ class GraphRunner:
         """Capture the (key, size) pairs of ``work`` not captured yet, largest size first."""
         work = sorted((item for item in work if not self._policy.done(*item)), key=lambda item: -item[1])
         pool = self._memory.ensure_pool()  # also with no work: a runner with no pool captures every size on its first call
-        if not work:
-            return
-        with progress_bar(len(work), self.options.progress) as advance:
-            # Tensor-parallel ranks capture every size under one agreement, and only where that
-            # fails, each size under its own, where a failure is retried or served eagerly.
-            if self.ranks is None or len(work) < 2 or not self._policy.capture_together(work, pool, advance):
-                advance.restart()
-                for key, size in work:
-                    self._policy.capture(key, size, pool)
-                    advance()
-        self._memory.share_among_sizes()
+        if work:
+            with progress_bar(len(work), self.options.progress) as advance:
+                # Tensor-parallel ranks capture every size under one agreement, and only where that
+                # fails, each size under its own, where a failure is retried or served eagerly.
+                if self.ranks is None or len(work) < 2 or not self._policy.capture_together(work, pool, advance):
+                    advance.restart()
+                    for key, size in work:
+                        self._policy.capture(key, size, pool)
+                        advance()
+        self._memory.share_among_sizes()  # also with no work: estimate_memory()'s probes are not shared yet
 
     # -- dispatch ------------------------------------------------------------------------
     def select(self, n: int, candidates: Sequence[Hashable] = (None,)) -> tuple[Hashable, int] | None:
@@ -197,12 +199,15 @@ class GraphRunner:
         key, size = chosen
         self.inputs.fill(live, size, self.options.pad_value)
         graphed = self._policy.graphed.get((key, size))
-        if graphed is None and not self._policy.done(key, size):  # lazy: captured on first use
-            graphed = self._policy.capture_on_first_use(key, size, self.pool, after=self._memory.share_among_sizes)
-        if graphed is None:  # its capture failed: the same padded buffers, eagerly
-            output = self._run_eagerly(self.inputs.views(size), key, size, size)
-        else:
+        first_use = None
+        if graphed is None and not self._policy.done(key, size):  # lazy: captured on first use, and replayed there
+            first_use = self._policy.capture_on_first_use(key, size, self.pool, after=self._memory.share_among_sizes)
+        if graphed is not None:
             output = graphed.replay()
+        elif first_use is not None:
+            _graphed, output = first_use
+        else:  # its capture failed: the same padded buffers, eagerly
+            output = self._run_eagerly(self.inputs.views(size), key, size, size)
         return live_rows(output, size, n, self.options.clone)
 
     def _rows_of_every_rank(self, n: int, key: Hashable) -> int:

@@ -127,6 +127,36 @@ def test_a_runner_measures_executables_only_when_asked_and_its_estimate_always_d
         assert_close(runner(x), model(x), 1e-4, 1e-4)
 
 
+@torch.no_grad()
+def test_capture_after_an_estimate_that_probed_every_size_shares_the_executables():
+    model = _model()
+    runner = bg.GraphRunner(model, torch.zeros(8, 8, 64, device=DEV), [1, 2, 4, 8], share_executables=True, progress=False)
+    assert sorted(runner.estimate_memory().probed_sizes) == [1, 2, 4, 8]  # capture() has no size left to capture
+    runner.capture()
+    segments = [s for graph in runner.graphs.values() for s in graph.segments if s.kind == "graph"]
+    assert any(s.shared is not None for s in segments)
+    for n in (1, 3, 8):
+        x = torch.randn(n, 8, 64, device=DEV)
+        assert_close(runner(x), model(x), 1e-4, 1e-4)
+
+
+@torch.no_grad()
+def test_a_released_runner_refuses_capture_and_reports_only_what_its_restore_captured():
+    model = _model()
+    runner = bg.GraphRunner(model, torch.zeros(8, 8, 64, device=DEV), [2, 4, 8], lazy=True, progress=False)
+    x = torch.randn(3, 8, 64, device=DEV)
+    runner(x)  # size 4, captured on first use
+    (row,) = runner.report(print_table=False)["rows"]
+    assert row["size"] == 4 and row["first_use_ms"] != ""
+    runner.release()
+    with pytest.raises(RuntimeError, match=r"released \(runner.release\(\)\): call runner.restore\(\) first"):
+        runner.capture()
+    runner.restore()
+    (row,) = runner.report(print_table=False)["rows"]
+    assert row["size"] == 4 and row["first_use_ms"] == ""  # captured by restore(), not on a first use
+    assert_close(runner(x), model(x), 1e-4, 1e-4)
+
+
 def _outputs(runner, inputs):
     return [runner(x).clone() for x in inputs]
 

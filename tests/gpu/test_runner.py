@@ -1,5 +1,6 @@
 """GraphRunner on a small transformer whose attention is an eager break."""
 
+import dataclasses
 import random
 
 import pytest
@@ -171,6 +172,44 @@ def test_lazy_runner_captures_each_size_on_first_use():
     again = torch.randn(4, 8, 64, device=DEV)
     assert_close(runner(again), model(again), 1e-4, 1e-4)
     assert list(runner.graphs) == [(None, 4)]
+
+
+@torch.no_grad()
+def test_a_size_captured_on_first_use_is_replayed_once_for_that_call():
+    calls = torch.zeros((), device=DEV)
+
+    def count_and_scale(x):
+        calls.add_(1)  # state a graph changes: a second replay would count twice
+        return x * calls
+
+    runner = bg.GraphRunner(count_and_scale, torch.zeros(8, 4, device=DEV), [4, 8], lazy=True, warmup=0, progress=False)
+    for count, n in enumerate([3, 3, 6, 2, 8], start=1):  # size 4 captured, replayed; size 8 captured; ...
+        x = torch.randn(n, 4, device=DEV)
+        out = runner(x)
+        assert calls.item() == count
+        assert_close(out, x * count, 0, 0)
+    assert sorted(runner.graphs) == [(None, 4), (None, 8)]
+
+
+@dataclasses.dataclass
+class Scores:
+    logits: torch.Tensor
+    rows: int
+
+
+@torch.no_grad()
+def test_outputs_inside_dataclasses_come_back_with_the_live_rows_and_cloned_when_asked():
+    def scores(x):
+        return Scores(torch.softmax(x, -1), rows=x.shape[0])
+
+    runner = bg.GraphRunner(scores, torch.zeros(8, 4, device=DEV), [8], clone=True, progress=False).capture()
+    x = torch.randn(3, 4, device=DEV)
+    first = runner(x)
+    assert first.logits.shape == (3, 4) and first.rows == 8  # a number the graph froze at capture
+    assert_close(first.logits, torch.softmax(x, -1), 1e-6, 1e-6)
+    kept = first.logits.clone()
+    runner(torch.randn(5, 4, device=DEV))
+    assert torch.equal(first.logits, kept)  # a clone: the next call does not overwrite it
 
 
 @torch.no_grad()
