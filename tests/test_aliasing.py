@@ -28,17 +28,22 @@ def test_an_alias_does_not_keep_its_storage_alive():
     del alias
 
 
-def test_only_plain_tensors_and_parameters_are_aliased():
+def test_an_alias_is_conjugated_and_negated_as_its_tensor_is():
+    z = torch.tensor([1 + 2j, 3 - 1j])
+    for view in (z.conj(), z.conj().imag, z.conj().real):
+        alias = alias_tensor(view)
+        assert torch.equal(alias, view) and alias.is_conj() == view.is_conj() and alias.is_neg() == view.is_neg()
+
+
+def test_host_tensors_subclasses_and_objects_are_kept_by_reference():
     class Wrapped(torch.Tensor):
         pass
 
-    plain, parameter = torch.ones(2), torch.nn.Parameter(torch.ones(2))
+    host, parameter = torch.ones(2), torch.nn.Parameter(torch.ones(2))  # host memory: a temporary would be freed
     wrapped = torch.ones(2).as_subclass(Wrapped)
     marker = object()
-    aliased = alias_leaves([plain, parameter, wrapped, marker, 3])
-    assert aliased[0] is not plain and aliased[0].data_ptr() == plain.data_ptr()
-    assert aliased[1] is not parameter and aliased[1].data_ptr() == parameter.data_ptr()
-    assert aliased[2:] == [wrapped, marker, 3]  # kept by reference
+    kept = alias_leaves([host, parameter, wrapped, marker, 3])
+    assert all(after is before for after, before in zip(kept, [host, parameter, wrapped, marker, 3]))
 
 
 def test_a_result_that_is_not_only_cuda_tensors_is_kept_as_it_is():

@@ -3,7 +3,11 @@
 A break is replayed with the same addresses it saw at capture, but holding
 its arguments would pin their memory. An alias views the same bytes (same
 storage pointer, offset, shape and strides) without owning them, as
-``torch.cuda.graph``'s trees do for their outputs.
+``torch.cuda.graph``'s trees do for their outputs. Only CUDA tensors are
+aliased: their bytes stay in the graph's pool, where the segments before the
+break write them at every replay; host memory is not pooled, so a host
+tensor the body made (``torch.tensor(lengths)``) would be freed under its
+alias, and is kept by reference instead.
 """
 
 from __future__ import annotations
@@ -19,22 +23,28 @@ from breakgraph.base import trees
 def alias_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor over ``tensor``'s bytes that does not keep them alive.
 
-    The alias is a plain tensor with no autograd history.
+    The alias is a plain tensor with no autograd history, conjugated or negated
+    as ``tensor`` is (``z.conj()`` and ``z.conj().imag`` are such lazy views).
     """
     storage = tensor.untyped_storage()
     unowned = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), tensor.device, storage.nbytes())
     alias = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
-    return alias.set_(unowned, tensor.storage_offset(), tensor.shape, tensor.stride())
+    alias = alias.set_(unowned, tensor.storage_offset(), tensor.shape, tensor.stride())
+    if tensor.is_conj():
+        alias = alias.conj()
+    if tensor.is_neg():
+        alias = alias._neg_view()
+    return alias
 
 
 def _aliasable(leaf) -> bool:
     # Subclasses (quantized, DTensor, user wrappers) carry more than their bytes: keep them.
-    return type(leaf) in (torch.Tensor, torch.nn.Parameter)
+    return type(leaf) in (torch.Tensor, torch.nn.Parameter) and leaf.is_cuda
 
 
 def alias_leaves(leaves) -> list:
-    """``leaves`` with every plain tensor replaced by its alias; other leaves (metadata
-    objects an engine mutates between steps) kept by reference."""
+    """``leaves`` with every plain CUDA tensor replaced by its alias; other leaves (metadata
+    objects an engine mutates between steps, host tensors) kept by reference."""
     return [alias_tensor(leaf) if _aliasable(leaf) else leaf for leaf in leaves]
 
 

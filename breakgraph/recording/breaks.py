@@ -150,15 +150,15 @@ def record_break(
     arg_leaves, replay_args, replay_kwargs = _aliased_arguments(args, kwargs)
     if result is None:
         kept, write = None, make_writer(name, None, None)
-    elif type(result) is torch.Tensor:  # the common case, without taking it apart: one tensor
+    elif type(result) is torch.Tensor and result.layout is torch.strided:  # the common case, without taking it apart
         _guard_tensor(name, result, "out", arg_leaves)
         kept = alias_tensor(result) if result.is_cuda else result
-        write = make_writer(name, kept)
+        write = make_writer(name, kept, in_arguments=_in_arguments([result], arg_leaves))
     else:
         flat = check_output(name, result, root="out", refreshed_values=True)
         guard_backward(name, flat, arg_leaves)
         kept, kept_flat = alias_result(result, flat)
-        write = make_writer(name, kept, kept_flat)
+        write = make_writer(name, kept, kept_flat, in_arguments=_in_arguments(flat.leaves, arg_leaves))
     return EagerSegment(
         index,
         name,
@@ -183,6 +183,23 @@ def _aliased_arguments(args: tuple, kwargs: dict) -> tuple[list, tuple, dict]:
     leaves, spec = trees.flatten((args, kwargs), objects=False)
     replay_args, replay_kwargs = trees.unflatten(spec, alias_leaves(leaves))
     return leaves, replay_args, replay_kwargs
+
+
+def _in_arguments(result_leaves: list, argument_leaves: list) -> frozenset[int]:
+    """The result's leaves (by index) in an argument's memory: the argument itself, a view of it,
+    or an ``out=`` buffer. Later graphs read them where the argument lives."""
+    arguments = {_storage(leaf) for leaf in argument_leaves if _has_storage(leaf)} - {0}
+    if not arguments:
+        return frozenset()
+    return frozenset(index for index, leaf in enumerate(result_leaves) if _has_storage(leaf) and _storage(leaf) in arguments)
+
+
+def _has_storage(leaf) -> bool:
+    return type(leaf) in (torch.Tensor, torch.nn.Parameter) and leaf.layout is torch.strided
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
 
 
 def with_capture_autocast(function: Callable) -> Callable:

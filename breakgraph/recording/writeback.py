@@ -28,19 +28,28 @@ may have when the result holds no buffers (None, a number, a string): the writer
 checks the type and copies nothing, so replay checks it in line. None for the others."""
 
 
-def make_writer(function_name: str, captured: Any, flat: trees.Flat | None = None, *, replace_values: bool = True) -> Writer:
+def make_writer(
+    function_name: str,
+    captured: Any,
+    flat: trees.Flat | None = None,
+    *,
+    replace_values: bool = True,
+    in_arguments: frozenset[int] = frozenset(),
+) -> Writer:
     """Return ``write(result) -> bytes copied`` for a break whose capture-time result is
     ``captured`` (``flat``: it taken apart with the objects policy, if the caller has it).
     With ``replace_values`` False only tensors are written, and other values stay the
-    captured ones, as a graph's replay leaves them (``graphed``'s eager fallback)."""
+    captured ones, as a graph's replay leaves them (``graphed``'s eager fallback).
+    ``in_arguments``: the leaves (their indices; 0 for a tensor returned whole) that were
+    in an argument's memory at capture, which a new tensor at replay may not overwrite."""
     if captured is None:
         return _none_writer(function_name)
     if type(captured) is torch.Tensor:
-        return _TensorWriter(function_name, captured)
+        return _TensorWriter(function_name, captured, 0 in in_arguments)
     flat = flat or trees.take_apart(captured, objects=True)
     if flat.spec.is_leaf() and not isinstance(captured, torch.Tensor):
         return _ValueWriter(function_name, captured)
-    return _TreeWriter(function_name, captured, flat, replace_values)
+    return _TreeWriter(function_name, captured, flat, replace_values, in_arguments)
 
 
 def _same_storage(dst: torch.Tensor, src: torch.Tensor) -> bool:
@@ -62,6 +71,17 @@ def _tensor_mismatch(dst: torch.Tensor, src: Any) -> str | None:
 
 def _fail(function_name: str, path: str, problem: str):
     raise WritebackError(f"{function_name}() -> {path}: {problem}")
+
+
+def _fail_over_an_argument(function_name: str, path: str):
+    _fail(
+        function_name,
+        path,
+        "an argument's memory at capture (the argument itself or a view of it), where the graphs after the "
+        "break read the result; a new tensor at replay, and copying it there would overwrite that argument. "
+        "Return the same kind every time: the argument, written in place, or a new tensor (x.clone() where "
+        "you return x)",
+    )
 
 
 class _NoneWriter:
@@ -87,13 +107,14 @@ def _none_writer(function_name: str) -> _NoneWriter:
 class _TensorWriter:
     """The common case, kept to a handful of attribute reads: it runs once per break per replay."""
 
-    __slots__ = ("function_name", "captured", "nbytes")
+    __slots__ = ("function_name", "captured", "nbytes", "in_argument")
     result_type = None
 
-    def __init__(self, function_name: str, captured: torch.Tensor):
+    def __init__(self, function_name: str, captured: torch.Tensor, in_argument: bool):
         self.function_name = function_name
         self.captured = captured
         self.nbytes = captured.numel() * captured.element_size()
+        self.in_argument = in_argument
 
     def __call__(self, result) -> int:
         captured = self.captured
@@ -104,6 +125,8 @@ class _TensorWriter:
             _fail(self.function_name, "out", problem)
         if _same_storage(captured, result):
             return 0
+        if self.in_argument:
+            _fail_over_an_argument(self.function_name, "out")
         captured.copy_(result)  # replay runs under no_grad: no autograd bookkeeping here
         return self.nbytes
 
@@ -131,14 +154,15 @@ class _TreeWriter:
     attributes; not tuples), if ``replace_values``.
     """
 
-    __slots__ = ("function_name", "captured", "flat", "replace_values")
+    __slots__ = ("function_name", "captured", "flat", "replace_values", "in_arguments")
     result_type = None
 
-    def __init__(self, function_name: str, captured: Any, flat: trees.Flat, replace_values: bool):
+    def __init__(self, function_name: str, captured: Any, flat: trees.Flat, replace_values: bool, in_arguments: frozenset[int]):
         self.function_name = function_name
         self.captured = captured
         self.flat = flat
         self.replace_values = replace_values
+        self.in_arguments = in_arguments
 
     def __call__(self, result) -> int:
         flat = self.flat
@@ -153,7 +177,11 @@ class _TreeWriter:
                 if problem is not None:
                     _fail(self.function_name, flat.path(index, "out"), problem)
                 if new is not old and not _same_storage(old, new):
+                    if index in self.in_arguments:
+                        _fail_over_an_argument(self.function_name, flat.path(index, "out"))
                     copies.append((old, new))
+            elif isinstance(new, torch.Tensor):  # the graphs after the break read no tensor there
+                _fail(self.function_name, flat.path(index, "out"), f"{type(old).__name__} at capture, Tensor at replay")
             elif new is not old and self.replace_values:
                 replacements.append((index, new))
         written = 0

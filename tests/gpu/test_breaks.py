@@ -5,12 +5,17 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import breakgraph as bg
+from breakgraph.recording.breaks import record_break
 from tests.helpers import assert_close, poison_
+from tests.test_breaks import argument_strategies, check_replay_arguments
 
 DEV = "cuda"
+_leaves, _values = argument_strategies("cuda", "cpu")
 
 
 @bg.eager_on_graph
@@ -115,3 +120,10 @@ def test_debug_mode_reports_a_tensor_a_break_keeps_outside_its_result():
         warnings.simplefilter("error", bg.LifetimeWarning)  # a break that returns what it makes: no report
         with bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph(debug=True)):
             normalize(x * 2) + 1
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(_values, max_size=4), st.dictionaries(st.sampled_from(["x", "y", "meta"]), _values, max_size=2))
+def test_replay_arguments_alias_every_plain_cuda_tensor_and_keep_everything_else(args, kwargs):
+    segment = record_break(0, "attention", lambda *a, **k: None, tuple(args), kwargs, None, None)
+    check_replay_arguments(tuple(args), kwargs, segment)

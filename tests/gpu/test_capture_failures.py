@@ -157,3 +157,21 @@ def test_capture_twice_without_reset_raises():
     with pytest.raises(RuntimeError, match="reset"):
         with bg.BreakableCUDAGraphCapture(graph):
             pass
+
+
+def test_a_break_whose_error_the_body_catches_leaves_the_capture_whole():
+    @bg.eager_on_graph
+    def fused(t):
+        raise Boom("no fused kernel for this shape")
+
+    def fn(x):
+        h = x * 2
+        try:
+            h = fused(h)
+        except Boom:
+            h = h + 1  # the fallback, captured: every replay runs it
+        return softmax_eager(h) * 3
+
+    graph, _ = check_against_eager(fn, [torch.randn(4, 8, device=DEV)])
+    assert [segment.kind for segment in graph.segments].count("eager") == 1  # the softmax; the failed break is not replayed
+    _assert_clean_state(torch.cuda.current_stream())

@@ -1,6 +1,7 @@
 """Breaks returning structures feed later segments; replay writes fresh results into captured buffers."""
 
 import dataclasses
+import gc
 
 import pytest
 import torch
@@ -107,3 +108,45 @@ def test_shape_change_at_replay_names_the_path_and_graph_stays_replayable():
     poison_(out)
     graph.replay()
     assert_close(out, fresh[:4] * 2 + 1)
+
+
+def test_a_break_that_returned_its_argument_at_capture_and_a_new_tensor_at_replay_is_refused():
+    @bg.eager_on_graph
+    def clip(x):
+        return x if x.abs().max() < 10 else x.clamp(-10, 10)
+
+    x = torch.full((4,), 1.0, device=DEV)
+    graph = bg.BreakableCUDAGraph()
+    with bg.BreakableCUDAGraphCapture(graph):
+        h = x * 1
+        out = h + clip(h)  # clip returned h itself: the last segment reads its result where h lives
+    fresh = torch.randn(4, device=DEV)
+    x.copy_(fresh)
+    poison_(out)
+    graph.replay()  # small values: clip returns h again
+    assert_close(out, fresh * 2)
+    x.fill_(100.0)
+    with pytest.raises(bg.WritebackError, match=r"clip\(\) -> out: an argument's memory at capture"):
+        graph.replay()  # large values: a new tensor, which copied into h would give clamp + clamp, not h + clamp
+    torch.cuda.synchronize()
+    assert torch.equal(h, torch.full((4,), 100.0, device=DEV))  # nothing written over it
+
+
+def test_a_host_tensor_the_body_made_for_a_break_is_kept_alive_for_its_replays():
+    @bg.eager_on_graph
+    def scale_by(x, host_lengths):
+        return x * host_lengths.sum().item()
+
+    x = torch.randn(4, device=DEV)
+    graph = bg.BreakableCUDAGraph()
+    with bg.BreakableCUDAGraphCapture(graph):
+        out = scale_by(x * 1, torch.tensor([2.0, 3.0])) + 1  # a host temporary, dropped as the body goes on
+    gc.collect()
+    churn = [torch.full((2,), -7.0) for _ in range(1000)]  # host memory reused, were it freed
+    for _ in range(3):
+        fresh = torch.randn(4, device=DEV)
+        x.copy_(fresh)
+        poison_(out)
+        graph.replay()
+        assert_close(out, fresh * 5 + 1)
+    del churn
