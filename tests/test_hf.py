@@ -176,6 +176,8 @@ def test_mistakes_are_refused_with_what_to_do(model):
         gen.generate(torch.zeros(1, 4, dtype=torch.long), 2, attention_mask=torch.tensor([[1, 1, 0, 0]]))
     with pytest.raises(ValueError, match="with rows and a prompt"):
         gen.generate(torch.zeros(0, 4, dtype=torch.long), 2)
+    with pytest.raises(ValueError, match=r"attention_mask must be shaped as input_ids, \(1, 4\), got \(1, 8\)"):
+        gen.generate(torch.zeros(1, 4, dtype=torch.long), 2, attention_mask=torch.ones(1, 8))
     with pytest.raises(ValueError, match="go above max_batch_size 2"):
         generator(model, max_batch_size=2, capture_sizes=[1, 4])
     with pytest.raises(ValueError, match=r"capture_sizes is empty: give the batch sizes to capture, such as \[1, 2, 4\]"):
@@ -311,6 +313,22 @@ def test_a_model_put_in_training_after_the_generator_was_made_is_refused(model):
             gen.generate(torch.randint(0, 300, (1, 4)), 2)
     finally:
         model.eval()
+
+
+@pytest.mark.parametrize("setting, value", [("repetition_penalty", 1.5), ("no_repeat_ngram_size", 2), ("min_new_tokens", 5)])
+def test_generation_settings_the_generator_does_not_apply_are_refused_not_ignored(model, setting, value):
+    gen = generator(model, max_batch_size=1)
+    ids = torch.randint(0, 300, (1, 6))
+    try:
+        setattr(model.generation_config, setting, value)
+        with pytest.raises(ValueError, match=rf"sets {setting}={value}, which transformers' generate\(\) applies.*"
+                                             rf"set model.generation_config.{setting} = None\."):
+            gen.generate(ids, 8)
+        setattr(model.generation_config, setting, {"repetition_penalty": 1.0}.get(setting, 0))  # values that change nothing
+        got = gen.generate(ids, 8)
+    finally:
+        setattr(model.generation_config, setting, None)
+    assert torch.equal(got, transformers_eager_generate(model, ids, 8))
 
 
 def test_end_tokens_default_to_the_generation_config_as_transformers_does(model):

@@ -233,6 +233,17 @@ def test_a_step_or_size_not_captured_yet_decodes_eagerly_beside_the_background_c
     assert release.is_set() and gen.compiled and not gen.compiling
 
 
+@pytest.mark.filterwarnings("ignore:breakgraph. no CUDA GPU")
+def test_capture_takes_a_running_compile_also_where_every_size_is_captured_already():
+    gen, started, release = held_compile_in_background()
+    gen.capture()  # every greedy size, uncompiled: the compile is due
+    gen.generate(torch.randint(0, 300, (2, 6)), 2)  # the compile starts as it returns
+    assert started.wait(timeout=60)
+    threading.Timer(0.5, release.set).start()
+    gen.capture()  # nothing left to capture: it waits for the compile all the same, and takes it
+    assert release.is_set() and gen.compiled and not gen.compiling
+
+
 class Traced(torch.nn.Module):
     def __init__(self):
         super().__init__()

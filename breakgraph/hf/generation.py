@@ -17,8 +17,9 @@ from breakgraph.hf.draws import Draws, require_generator_on
 from breakgraph.hf.end_tokens import EndTokens
 from breakgraph.hf.lifecycle import CaptureLifecycle, CompilePhase
 from breakgraph.hf.prompts import prompt_lengths, require_ids_in_vocabulary
-from breakgraph.hf.requirements import require_capture_sizes, require_causal_lm, require_compile_in_background
-from breakgraph.hf.requirements import require_inference_with_breakgraph_attention, require_one_rank_to_compile_beside
+from breakgraph.hf.requirements import require_applied_generation_settings, require_capture_sizes, require_causal_lm
+from breakgraph.hf.requirements import require_compile_in_background, require_inference_with_breakgraph_attention
+from breakgraph.hf.requirements import require_one_rank_to_compile_beside
 from breakgraph.hf.sampling import Sampling, sample
 from breakgraph.hf.steps import AMONG_CANDIDATES, GREEDY, OVER_VOCABULARY, SAMPLING_VARIANTS, STEPS, ModelForward, candidates, step_for
 from breakgraph.hf.tensor_parallel import tensor_parallel_group, tensor_parallel_size
@@ -244,6 +245,7 @@ class Generator:
         """
         refuse_unknown("Generator.generate", sampling, _SAMPLING_KEYWORDS)
         generator = sampling.pop("generator", None)
+        require_applied_generation_settings(self.model.generation_config)
         settings = Sampling.resolve(self.model.generation_config, **sampling)
         if settings.do_sample:
             require_generator_on(self.device, generator)

@@ -131,21 +131,22 @@ class CaptureLifecycle:
                 self.compile.ahead()
             self._enter(CompilePhase.SERVING)
         serving = {step: self._sizes_serving(step, rows) for step in steps}
-        if not all(serving.values()):
-            if self.phase is CompilePhase.WAITING:  # no capture comes first: the compile is due all the same
-                self._enter(CompilePhase.DUE)
-            return False
         missing = []
         for step, sizes in serving.items():
             uncaptured = [size for size in sizes if (step, size) not in self._sizes_captured]
             if uncaptured:
                 missing.append((step, uncaptured))
-        if not missing:
-            return True
-        if self.phase is CompilePhase.RUNNING:
-            if not wait:
-                return False
+        # A runner its user released captures again on their restore(), not here.
+        if not all(serving.values()) or any(self._runner_of[step].released for step, _sizes in missing):
+            if self.phase is CompilePhase.WAITING:  # no capture comes first: the compile is due all the same
+                self._enter(CompilePhase.DUE)
+            return False
+        if self.phase is CompilePhase.RUNNING and wait:  # also with nothing missing: the caller waits to serve compiled
             self.take()
+        elif not missing:
+            return True
+        elif self.phase is CompilePhase.RUNNING:
+            return False
         for step, sizes in missing:
             runner = self._runner_of[step]
             with torch.inference_mode():

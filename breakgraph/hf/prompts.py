@@ -25,6 +25,8 @@ def prompt_lengths(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
         )
     if attention_mask is None:
         return [length] * n
+    if tuple(attention_mask.shape) != (n, length):
+        raise ValueError(f"attention_mask must be shaped as input_ids, {(n, length)}, got {tuple(attention_mask.shape)}")
     mask = attention_mask.to("cpu", torch.bool)
     lengths = mask.sum(1).tolist()
     for row, real in enumerate(lengths):

@@ -1,4 +1,5 @@
-"""What a Generator requires of the model it serves and of its settings, checked as it is made.
+"""What a Generator requires of the model it serves and of its settings, checked as it is made
+(and, for what may change since, at each call).
 
 Each check refuses with what to do instead: a model or setting that got
 through would fail later, inside a capture or on the GPU, far from its cause.
@@ -41,6 +42,50 @@ def require_inference_with_breakgraph_attention(model: PreTrainedModel) -> None:
         )
     if model.training:
         raise ValueError("Generator runs inference: put the model in eval mode first (model.eval())")
+
+
+# Settings of a generation config that transformers' generate() applies and the Generator does not,
+# each with the values that change nothing (transformers' defaults, over its releases).
+_NOT_APPLIED = {
+    "repetition_penalty": (None, 1.0),
+    "no_repeat_ngram_size": (None, 0),
+    "min_length": (None, 0),
+    "min_new_tokens": (None, 0),
+    "min_p": (None, 0.0),
+    "typical_p": (None, 1.0),
+    "top_h": (None,),
+    "epsilon_cutoff": (None, 0.0),
+    "eta_cutoff": (None, 0.0),
+    "bad_words_ids": (None, []),
+    "suppress_tokens": (None, []),
+    "begin_suppress_tokens": (None, []),
+    "forced_bos_token_id": (None,),
+    "forced_eos_token_id": (None,),
+    "sequence_bias": (None,),
+    "exponential_decay_length_penalty": (None,),
+    "guidance_scale": (None, 1.0),
+    "num_beams": (None, 1),
+    "num_return_sequences": (None, 1),
+    "diversity_penalty": (None, 0.0),
+    "penalty_alpha": (None,),
+    "watermarking_config": (None,),
+}
+
+
+def require_applied_generation_settings(generation_config: Any) -> None:
+    """Refuse a generation config that sets what transformers applies and the Generator does not
+    (a repetition penalty, say): its tokens would differ from ``model.generate()``'s without a word.
+    Checked at each call: the config may have changed since."""
+    set_here = {
+        name: value for name, no_op in _NOT_APPLIED.items() if (value := getattr(generation_config, name, None)) not in no_op
+    }
+    if set_here:
+        settings = ", ".join(f"{name}={value!r}" for name, value in set_here.items())
+        raise ValueError(
+            f"the model's generation config sets {settings}, which transformers' generate() applies and the "
+            "Generator does not (it decodes greedily, or samples with temperature, top_k and top_p). To generate "
+            f"without {'them' if len(set_here) > 1 else 'it'}, set {' and '.join(f'model.generation_config.{name} = None' for name in set_here)}."
+        )
 
 
 def require_capture_sizes(capture_sizes: Sequence[int] | None, max_batch_size: int) -> None:

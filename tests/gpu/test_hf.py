@@ -162,3 +162,19 @@ def test_the_first_generate_captures_before_it_fills_the_cache(fp32_model):
     ids = fresh_prompts(2, 16)
     assert torch.equal(generator.generate(ids, 32), transformers_eager_generate(fp32_model, ids, 32))
     generator.runner.release()
+
+
+def test_a_runner_its_user_released_captures_nothing_more_and_calls_decode_eagerly(fp32_model):
+    fp32_model.set_attn_implementation(hf.ATTENTION)
+    generator = hf.Generator(fp32_model, max_length=64, max_batch_size=4, progress=False)
+    one, four = fresh_prompts(1, 16), fresh_prompts(4, 16)
+    expected_one, expected_four = (transformers_eager_generate(fp32_model, ids, 16) for ids in (one, four))
+    assert torch.equal(generator.generate(one, 16), expected_one)  # captures size 1
+    generator.runner.release()
+    assert torch.equal(generator.generate(four, 16), expected_four)  # size 4: eagerly, nothing captured
+    assert torch.equal(generator.generate(one, 16), expected_one)
+    assert generator.runner.released and generator.runner.graphs == {}
+    generator.runner.restore()  # size 1, as before the release
+    assert list(generator.runner.graphs) == [(None, 1)]
+    assert torch.equal(generator.generate(one, 16), expected_one)
+    generator.runner.release()
