@@ -139,3 +139,10 @@ def test_a_tensor_at_replay_where_the_capture_had_none_or_a_number_is_refused():
         replayed = type(captured)(torch.ones(2) for _ in range(2)) if not isinstance(captured, dict) else {"out": out, "lse": torch.ones(2)}
         with pytest.raises(WritebackError, match=r"attention\(\) -> out.*: (NoneType|int) at capture, Tensor at replay"):
             attention.write(replayed)
+
+
+def test_a_sparse_tensor_returned_whole_is_refused_as_in_a_structure():
+    sparse = torch.eye(3).to_sparse()
+    for result in (sparse, [sparse]):
+        with pytest.raises(TypeError, match=r"sparse\(\) returned a tensor of layout torch.sparse_coo at out.*\.to_dense\(\)"):
+            record_break(0, "sparse", lambda: result, (), {}, result, None)
