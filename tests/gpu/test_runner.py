@@ -202,7 +202,8 @@ def test_outputs_inside_dataclasses_come_back_with_the_live_rows_and_cloned_when
     def scores(x):
         return Scores(torch.softmax(x, -1), rows=x.shape[0])
 
-    runner = bg.GraphRunner(scores, torch.zeros(8, 4, device=DEV), [8], clone=True, progress=False).capture()
+    with pytest.warns(bg.FrozenOutputWarning, match=r"returned 8 \(int\) at output.rows"):
+        runner = bg.GraphRunner(scores, torch.zeros(8, 4, device=DEV), [8], clone=True, progress=False).capture()
     x = torch.randn(3, 4, device=DEV)
     first = runner(x)
     assert first.logits.shape == (3, 4) and first.rows == 8  # a number the graph froze at capture
