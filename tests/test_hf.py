@@ -1,9 +1,11 @@
 """breakgraph.hf on the CPU: the registered attention, and the Generator's eager path against transformers."""
 
+import gc
 import os
 import subprocess
 import sys
 import warnings
+import weakref
 from pathlib import Path
 
 import pytest
@@ -329,6 +331,22 @@ def test_generation_settings_the_generator_does_not_apply_are_refused_not_ignore
     finally:
         setattr(model.generation_config, setting, None)
     assert torch.equal(got, transformers_eager_generate(model, ids, 8))
+
+
+def test_a_dropped_generator_dies_at_once_with_its_cache_not_at_a_later_garbage_collection(model):
+    """A collection that frees it later can fall inside another library's capture, where
+    destroying its runners' pools aborts the process; and its cache is the memory to get back."""
+    gen = generator(model, max_batch_size=2)
+    ids = torch.randint(0, 300, (2, 5))
+    gen.generate(ids, 4)
+    gen.generate(ids, 4, do_sample=True, top_k=1)
+    gc.disable()
+    try:
+        alive = [weakref.ref(gen), weakref.ref(gen.cache.layers[0].keys), weakref.ref(gen.runner), weakref.ref(gen.sampling_runner)]
+        del gen
+        assert [ref() for ref in alive] == [None] * 4, "a reference cycle keeps it for the collector"
+    finally:
+        gc.enable()
 
 
 def test_end_tokens_default_to_the_generation_config_as_transformers_does(model):

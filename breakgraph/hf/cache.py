@@ -61,15 +61,35 @@ def decoder_shape(config: PretrainedConfig, tp_size: int = 1) -> tuple[int, int,
     return text.num_hidden_layers, kv_heads // tp_size, head_dim
 
 
+class ForwardWrites:
+    """What the forward under way writes and attends to, shared by a cache and its layers: no layer
+    points back at its cache, whose memory then goes as soon as its Generator does (a reference
+    cycle would keep it for Python's cycle collector)."""
+
+    def __init__(self, max_batch_size: int, max_length: int, device: torch.device):
+        self.lengths = RowLengths()
+        self.row_index = torch.arange(max_batch_size, device=device)
+        self.offsets = torch.arange(max_length, device=device)
+        self.positions = torch.zeros(max_batch_size, dtype=torch.long, device=device)
+        self.first_row, self.query_length = 0, 1
+
+    def position_ids(self, batch: int, query_length: int) -> torch.Tensor:
+        return self.positions[:batch, None] + self.offsets[:query_length]
+
+    def write_index(self, batch: int, query_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.row_index[self.first_row : self.first_row + batch, None]
+        return rows, self.position_ids(batch, query_length)
+
+
 class _StaticRowsLayer(CacheLayerMixin):
     """One layer's keys and values, ``(max_batch_size, kv_heads, max_length, head_dim)`` (the heads
     of this rank), allocated once so that every graph reads and writes them at the same addresses."""
 
     is_compileable = False
 
-    def __init__(self, cache: KVCache, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+    def __init__(self, writes: ForwardWrites, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
         super().__init__()
-        self.cache = cache
+        self.writes = writes
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.is_initialized = True
@@ -85,18 +105,18 @@ class _StaticRowsLayer(CacheLayerMixin):
                 f"{self.keys.shape[1]} per layer: make the cache from the model's config and its tensor-parallel "
                 "size (KVCache(..., tp_size=model.tp_size); a Generator does)"
             )
-        rows, slots = self.cache.write_index(key_states.shape[0], key_states.shape[2])
+        rows, slots = self.writes.write_index(key_states.shape[0], key_states.shape[2])
         self.keys[rows, :, slots] = key_states.transpose(1, 2)
         self.values[rows, :, slots] = value_states.transpose(1, 2)
-        first = self.cache.first_row
+        first = self.writes.first_row
         return self.keys[first : first + key_states.shape[0]], self.values[first : first + key_states.shape[0]]
 
     def get_mask_sizes(self, query_length) -> tuple[int, int]:
         # From the host lengths, whatever transformers passes (the query length; older releases, cache positions).
-        return self.cache.lengths.ends[0], 0
+        return self.writes.lengths.ends[0], 0
 
     def get_seq_length(self) -> int:
-        return self.cache.lengths.ends[0] - self.cache.query_length
+        return self.writes.lengths.ends[0] - self.writes.query_length
 
     def get_max_length(self) -> int:
         return self.keys.shape[2]
@@ -133,13 +153,10 @@ class KVCache(Cache):
         self._made_with = (config, max_batch_size, max_length, dtype, device, tp_size)
         layers, kv_heads, head_dim = decoder_shape(config, tp_size)
         shape = (max_batch_size, kv_heads, max_length, head_dim)
-        super().__init__(layers=[_StaticRowsLayer(self, shape, dtype, device) for _ in range(layers)])
+        self.writes = ForwardWrites(max_batch_size, max_length, device)
+        super().__init__(layers=[_StaticRowsLayer(self.writes, shape, dtype, device) for _ in range(layers)])
         self.row_capacity = max_batch_size  # (transformers' Cache has a read-only max_batch_size)
         self.token_capacity = max_length
-        self.lengths = RowLengths()
-        self._row_index = torch.arange(max_batch_size, device=device)
-        self._offsets = torch.arange(max_length, device=device)
-        self.begin(torch.zeros(max_batch_size, dtype=torch.long, device=device), first_row=0, query_length=1)
 
     def twin(self) -> KVCache:
         """A cache of the same shapes, dtype and device, with memory of its own: a compile in the
@@ -155,7 +172,18 @@ class KVCache(Cache):
             first_row (int): the cache row of the batch's row 0.
             query_length (int): new tokens per row.
         """
-        self.positions, self.first_row, self.query_length = positions, first_row, query_length
+        writes = self.writes
+        writes.positions, writes.first_row, writes.query_length = positions, first_row, query_length
+
+    @property
+    def lengths(self) -> RowLengths:
+        """How many cached tokens each row of the forward under way attends to."""
+        return self.writes.lengths
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """``(batch,)``: the slot of each row's first new token in the forward under way."""
+        return self.writes.positions
 
     def position_ids(self, batch: int, query_length: int) -> torch.Tensor:
         """``(batch, query_length)``: each token's position, which is also its slot.
@@ -164,7 +192,7 @@ class KVCache(Cache):
             batch (int): the forward's rows.
             query_length (int): its new tokens per row.
         """
-        return self.positions[:batch, None] + self._offsets[:query_length]
+        return self.writes.position_ids(batch, query_length)
 
     def write_index(self, batch: int, query_length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Row and slot indices, ``(batch, query_length)`` each, of the tokens a forward writes.
@@ -173,5 +201,4 @@ class KVCache(Cache):
             batch (int): the forward's rows.
             query_length (int): its new tokens per row.
         """
-        rows = self._row_index[self.first_row : self.first_row + batch, None]
-        return rows, self.position_ids(batch, query_length)
+        return self.writes.write_index(batch, query_length)

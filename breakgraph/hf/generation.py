@@ -22,6 +22,7 @@ from breakgraph.hf.requirements import require_compile_in_background, require_in
 from breakgraph.hf.requirements import require_one_rank_to_compile_beside
 from breakgraph.hf.sampling import Sampling, sample
 from breakgraph.hf.steps import AMONG_CANDIDATES, GREEDY, OVER_VOCABULARY, SAMPLING_VARIANTS, STEPS, ModelForward, candidates, step_for
+from breakgraph.hf.steps import weakly_bound
 from breakgraph.hf.tensor_parallel import tensor_parallel_group, tensor_parallel_size
 
 __all__ = ["AMONG_CANDIDATES", "OVER_VOCABULARY", "STOP_CHECK_STEPS", "Generator"]  # the sampling runner's keys: named here too
@@ -125,17 +126,17 @@ class Generator:
             options |= dict(group=group, agree_batches=False)
         if compiling is not None:
             options["warmup"] = 1  # each size runs before its capture: a size that compiles again does so outside it
-        self.runner = bg.GraphRunner(self._decode_step, static, capture_sizes, **options)
+        self.runner = bg.GraphRunner(weakly_bound(self._decode_step), static, capture_sizes, **options)
         # The sampling graphs draw from the Draws' generator, whatever the call draws from: a graph
         # draws from the generators it was captured with.
         self._draws = Draws(self.device)
         self._sampling_key = AMONG_CANDIDATES  # the variant the call being served replays (generate() sets it)
         self.sampling_runner = bg.GraphRunner(
-            self._sampling_step,
+            weakly_bound(self._sampling_step),
             {name: torch.zeros_like(buffer) for name, buffer in static.items()} | Sampling().rows(max_batch_size, self.device),
             capture_sizes,
             keys=list(SAMPLING_VARIANTS),
-            key_fn=self._sampling_keys,
+            key_fn=weakly_bound(self._sampling_keys),
             generators=self._draws.captured_with,
             **options,
         )

@@ -188,7 +188,7 @@ class CaptureLifecycle:
         if self.running.drew:
             self._draws.hand_back_to_default()
         self.running = None
-        gc.collect()  # the twin cache (its layers point back at it) and its inputs
+        gc.collect()  # the twin cache and its inputs, which the compile's own objects hold in reference cycles
         if self._draws.device.type == "cuda":
             torch.cuda.empty_cache()  # their blocks, cached for the compile's stream, for the captures to come
         if error is not None:

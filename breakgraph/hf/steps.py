@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -31,6 +32,19 @@ def step_for(settings: Sampling) -> str:
     if not settings.do_sample:
         return GREEDY
     return AMONG_CANDIDATES if settings.among_candidates else OVER_VOCABULARY
+
+
+def weakly_bound(method: Callable) -> Callable:
+    """``method``, called through a weak reference to its object: a runner that holds a Generator's
+    step this way does not keep the Generator, and with it the cache, alive in a reference cycle."""
+    owner = weakref.WeakMethod(method)
+
+    def call(*args, **kwargs):
+        return owner()(*args, **kwargs)
+
+    call.__name__, call.__qualname__, call.__doc__ = method.__name__, method.__qualname__, method.__doc__
+    call.__signature__ = inspect.signature(method)  # what the runner passes by name
+    return call
 
 
 def candidates(step: str) -> int | None:

@@ -1,6 +1,8 @@
 """A Llama-3.2-1B-shaped transformers model generating through breakgraph.hf, against transformers' eager generation."""
 
+import gc
 import random
+import weakref
 
 import pytest
 import torch
@@ -178,3 +180,19 @@ def test_a_runner_its_user_released_captures_nothing_more_and_calls_decode_eager
     assert [size for _key, size in generator.runner.graphs] == [1]
     assert torch.equal(generator.generate(one, 16), expected_one)
     generator.runner.release()
+
+
+def test_a_dropped_generator_gives_its_cache_and_graphs_back_at_once(fp32_model):
+    fp32_model.set_attn_implementation(hf.ATTENTION)
+    generator = hf.Generator(fp32_model, max_length=64, max_batch_size=2, progress=False)
+    generator.generate(fresh_prompts(2, 16), 8)
+    torch.cuda.synchronize()
+    held, pool = torch.cuda.memory_allocated(), generator.runner.pool
+    keys, pool = weakref.ref(generator.cache.layers[0].keys), weakref.ref(pool)
+    gc.disable()
+    try:
+        del generator
+        assert keys() is None and pool() is None, "a reference cycle keeps it for the collector"
+        assert torch.cuda.memory_allocated() < held
+    finally:
+        gc.enable()
