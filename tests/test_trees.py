@@ -1,6 +1,8 @@
 """The tree walker: both policies, paths, in-place assignment, structure differences, isolation."""
 
+import collections
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -130,3 +132,26 @@ def test_map_tensors_rebuilds_containers_only():
     bag = Bag(torch.ones(1), 1)
     mapped = trees.map_tensors(lambda t: t * 2, [torch.ones(2), {"b": bag}, 3])
     assert torch.equal(mapped[0], torch.full((2,), 2.0)) and mapped[1]["b"] is bag and mapped[2] == 3
+
+
+class Labelled(collections.namedtuple("Point", "x y")):  # a named tuple's subclass, with a __dict__ (as PackedSequence)
+    pass
+
+
+@dataclasses.dataclass
+class Output(dict):  # a dataclass that is a dict too, as transformers' ModelOutput: its fields are its items
+    logits: object = None
+
+    def __post_init__(self):
+        self["logits"] = self.logits
+
+
+def test_named_tuple_subclasses_and_dict_dataclasses_keep_their_tensors_when_rebuilt():
+    value = [Labelled(torch.ones(2), torch.zeros(3)), Output(logits=torch.arange(4.0))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # optree warns where a named tuple's subclass is registered as an object
+        flat = trees.take_apart(value, objects=True)
+        rebuilt = trees.map_tensors(lambda tensor: tensor + 1, value, objects=True)
+    assert [flat.path(index, "out") for index in range(len(flat.leaves))] == ["out[0].x", "out[0].y", "out[1].logits"]
+    assert type(rebuilt[0]) is Labelled and torch.equal(rebuilt[0].y, torch.ones(3))
+    assert type(rebuilt[1]) is Output and torch.equal(rebuilt[1]["logits"], torch.arange(4.0) + 1)

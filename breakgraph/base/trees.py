@@ -38,9 +38,10 @@ def _is_object_node(value) -> bool:
         return False
     if dataclasses.is_dataclass(value):
         return True
-    # A dict or list subclass keeps its contents in its items, not its attributes: walked as an
-    # object it would look empty, so it stays a leaf (optree walks only the plain containers).
-    return hasattr(value, "__dict__") and not isinstance(value, (dict, list))
+    # A dict, list or tuple subclass keeps its contents in its items, not its attributes: walked as
+    # an object it would look empty. optree walks named tuples (subclasses too) and the plain
+    # containers; other subclasses stay leaves.
+    return hasattr(value, "__dict__") and not isinstance(value, (dict, list, tuple))
 
 
 def _attribute_names(value) -> tuple[str, ...]:
@@ -56,6 +57,8 @@ def _flatten_object(value):
 
 def _unflatten_object(cls: type) -> Callable:
     def build(names, children):
+        if issubclass(cls, dict):  # a dataclass that is a dict too (transformers' ModelOutput): its constructor fills both
+            return cls(**dict(zip(names, children)))
         value = cls.__new__(cls)
         for name, child in zip(names, children):
             object.__setattr__(value, name, child)  # frozen dataclasses too

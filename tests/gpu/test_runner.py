@@ -9,6 +9,7 @@ import torch
 import breakgraph as bg
 from breakgraph.demo import TinyTransformer
 from tests.helpers import assert_close
+from tests.test_trees import Output
 
 DEV = "cuda"
 MAX = 24
@@ -211,6 +212,15 @@ def test_outputs_inside_dataclasses_come_back_with_the_live_rows_and_cloned_when
     kept = first.logits.clone()
     runner(torch.randn(5, 4, device=DEV))
     assert torch.equal(first.logits, kept)  # a clone: the next call does not overwrite it
+
+
+@torch.no_grad()
+def test_an_output_that_is_a_dict_too_comes_back_with_its_items_cut_to_the_live_rows():
+    runner = bg.GraphRunner(lambda x: Output(logits=x * 2), torch.zeros(8, 4, device=DEV), [8], progress=False).capture()
+    x = torch.randn(3, 4, device=DEV)
+    out = runner(x)  # as transformers' ModelOutput: its fields are its items
+    assert type(out) is Output and out["logits"] is out.logits and out.logits.shape == (3, 4)
+    assert_close(out["logits"], x * 2, 0, 0)
 
 
 @torch.no_grad()
