@@ -1,12 +1,15 @@
 """The callable form without a GPU (or under BREAKGRAPH_DISABLE=1): eager on every replay, one warning."""
 
+import dataclasses
 import warnings
+from unittest import mock
 
 import pytest
 import torch
 
 import breakgraph as bg
 from breakgraph.base.runtime import cuda_available
+from breakgraph.graphs.graphed import _device_of
 
 no_gpu = pytest.mark.skipif(cuda_available(), reason="checks the no-GPU fallback")
 
@@ -110,3 +113,12 @@ def test_a_pool_that_is_not_a_mempool_is_refused(pool):
         bg.BreakableCUDAGraph(pool=pool)
     with pytest.raises(TypeError, match="expected a torch.cuda.MemPool"):
         bg.graphed(lambda x: x, torch.ones(2), pool=pool)
+
+
+def test_the_capture_device_is_found_in_dataclass_and_object_arguments_too():
+    @dataclasses.dataclass
+    class Batch:
+        x: object
+
+    on_the_second_gpu = mock.MagicMock(spec=torch.Tensor, is_cuda=True, device=torch.device("cuda", 1))
+    assert _device_of((Batch(on_the_second_gpu),), {}) == torch.device("cuda", 1)  # not the current device

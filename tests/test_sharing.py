@@ -1,5 +1,6 @@
 """Sharing executables without a GPU: which refusals are recorded (executables faked, segments real)."""
 
+import pytest
 from cuda.bindings import runtime as cudart
 
 import breakgraph as bg
@@ -72,3 +73,10 @@ def test_a_segment_every_executable_refuses_for_different_reasons_gets_each_reas
         Refusal(2, 0, ("ErrorTopologyChanged", "ErrorFunctionChanged")),
     ]
     assert refusals[1].reason == "ErrorTopologyChanged, ErrorFunctionChanged"
+
+
+def test_the_same_graph_twice_is_refused_before_anything_is_shared():
+    first, second = _Graph("a", _Executable()), _Graph("b", _Executable())
+    with pytest.raises(ValueError, match=r"the same graph twice \(items 0 and 2\)"):  # it would destroy what it launches
+        bg.share_executables([first, second, first])
+    assert all(graph.segments[0].shared is None and not graph.segments[0].executable.destroyed for graph in (first, second))

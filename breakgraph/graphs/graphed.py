@@ -174,8 +174,8 @@ def _require_a_tensor_to_refill(fn: Callable, args: tuple, kwargs: dict) -> None
 
 
 def _device_of(args: tuple, kwargs: dict) -> torch.device:
-    """The device of the first CUDA tensor argument, else the current device."""
-    leaves, _spec = trees.flatten((args, kwargs), objects=False)
+    """The device of the first CUDA tensor argument (in dataclasses and objects too), else the current device."""
+    leaves, _spec = trees.flatten((args, kwargs), objects=True)
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
             return leaf.device

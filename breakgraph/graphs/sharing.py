@@ -57,6 +57,11 @@ def share_executables(graphs: Sequence[BreakableCUDAGraph]) -> list[Refusal]:
     for position, graph in enumerate(graphs):
         if not isinstance(graph, BreakableCUDAGraph):
             raise TypeError(f"share_executables takes a list of BreakableCUDAGraphs; item {position} is a {type(graph).__name__}")
+    seen: dict[int, int] = {}
+    for position, graph in enumerate(graphs):
+        first = seen.setdefault(id(graph), position)
+        if first != position:
+            raise ValueError(f"share_executables got the same graph twice (items {first} and {position}): list each graph once")
     for graph in graphs:
         if not graph.captured or graph.released:
             raise RuntimeError("share_executables needs captured graphs with their executables (restore them first)")
