@@ -57,7 +57,7 @@ def cond(pred: torch.Tensor, true_fn: Callable, false_fn: Callable, *operands: A
     if capture is None or not capture.segment_open:
         return _python_if(pred, true_fn, false_fn, *operands)
     if not capture.branches_on_device:
-        return capture.run_break(_python_if, (pred, true_fn, false_fn, *operands), {}, "cond")
+        return capture.run_break(_python_if_in_buffers_of_its_own, (pred, true_fn, false_fn, *operands), {}, "cond")
     bindings.require_conditional_support(_IF_ELSE, "breakgraph.cond inside a capture")
     _require_on_capture_device("cond's pred", pred)
     capture.conditional_node("cond()")
@@ -100,7 +100,7 @@ def while_loop(cond_fn: Callable, body_fn: Callable, carried: tuple) -> tuple:
     if capture is None or not capture.segment_open:
         return _python_while(cond_fn, body_fn, carried)
     if not capture.branches_on_device:
-        return capture.run_break(_python_while, (cond_fn, body_fn, carried), {}, "while_loop")
+        return capture.run_break(_python_while_in_buffers_of_its_own, (cond_fn, body_fn, carried), {}, "while_loop")
     bindings.require_conditional_support(_WHILE, "breakgraph.while_loop inside a capture")
     for index, value in enumerate(carried):
         _require_on_capture_device(f"while_loop's carried[{index}]", value)
@@ -141,6 +141,17 @@ def _python_while(cond_fn, body_fn, carried):
         if not isinstance(new, tuple) or len(new) != len(carried):
             raise TypeError(f"while_loop's body_fn must return a tuple of {len(carried)} tensors, like carried; got {_describe(new)}")
         carried = new
+
+
+def _python_if_in_buffers_of_its_own(pred, true_fn, false_fn, *operands):
+    """Debug mode's break for ``cond``: its result in buffers of its own, as the conditional node's,
+    so that no replay writes the other branch's result over an operand or a weight a branch returned."""
+    return trees.map_tensors(torch.Tensor.clone, _python_if(pred, true_fn, false_fn, *operands), objects=True)
+
+
+def _python_while_in_buffers_of_its_own(cond_fn, body_fn, carried):
+    """Debug mode's break for ``while_loop``: as :func:`_python_if_in_buffers_of_its_own`."""
+    return tuple(value.clone() for value in _python_while(cond_fn, body_fn, carried))
 
 
 def _require_functions(construct: str, **functions) -> None:

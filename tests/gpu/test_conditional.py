@@ -138,6 +138,22 @@ def test_debug_mode_runs_cond_as_an_eager_break():
         assert_close(out, (x + 1 if x.sum() > 0 else x - 1) * 2)
 
 
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_branch_that_returns_a_weight_never_has_the_other_branch_written_over_it(debug):
+    weight, x = torch.randn(16, device=DEV), torch.randn(16, device=DEV).abs()
+    graph = bg.BreakableCUDAGraph(debug=debug)  # debug mode: cond is an eager break, its result written back
+    with torch.no_grad(), bg.BreakableCUDAGraphCapture(graph):
+        out = bg.cond(x.sum() > 0, lambda: weight, lambda: weight * 5) + 0  # captured taking true_fn
+    saved = weight.clone()
+    for trial in range(4):
+        x.copy_(_signed(16, trial))
+        poison_(out)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(weight, saved)
+        assert_close(out, saved if trial % 2 == 0 else saved * 5)
+
+
 def test_many_conds_in_one_segment_reuse_the_memory_their_bodies_free():
     x = torch.randn(1 << 20, device=DEV)  # 4 MiB a result
 
