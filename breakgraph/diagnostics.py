@@ -18,6 +18,7 @@ import torch
 
 from breakgraph.graphs.graph import BreakableCUDAGraph
 from breakgraph.graphs.plan import ReplayPlan
+from breakgraph.base.checks import require_count
 from breakgraph.base.tables import format_table
 
 
@@ -133,6 +134,8 @@ def profile(graph: "BreakableCUDAGraph | HoldsGraph", iters: int = 20, warmup: i
         iters (int, optional): timed replays. Default: 20.
         warmup (int, optional): replays before timing. Default: 3.
     """
+    require_count("iters", iters)
+    require_count("warmup", warmup, least=0)
     graph = captured_graph(graph, "profile")
     segments = graph.segments
     stream = torch.cuda.current_stream(graph.device)
@@ -233,4 +236,5 @@ def print_runner_report(report: dict, shared: bool) -> None:
     )
     print(f"{len(rows)} graphs captured, pool holds {report['pool_bytes'] / 2**20:.1f} MiB, {executables}")
     for row in report["failed"]:
-        print(f"size {row['size']} (key {row['key'] or None}) is served eagerly: its capture failed: {row['reason']}")
+        key = "" if row["key"] == "" else f" (key {row['key']!r})"  # "" stands for a runner without keys
+        print(f"size {row['size']}{key} is served eagerly: its capture failed: {row['reason']}")

@@ -25,6 +25,16 @@ def test_diagnostics_of_something_that_is_not_a_graph_say_what_they_need(functio
         function(bg.BreakableCUDAGraph())
 
 
+def test_profile_refuses_no_timed_replays_and_a_failed_size_is_named_by_its_key(capsys):
+    with pytest.raises(ValueError, match="iters must be a whole number >= 1, got 0"):
+        diagnostics.profile(bg.BreakableCUDAGraph(), iters=0)
+    report = {"eager_reason": None, "rows": [], "pool_bytes": 0, "executable_bytes": None,
+              "failed": [{"key": 0, "size": 8, "reason": "OOM"}, {"key": "", "size": 4, "reason": "OOM"}]}
+    diagnostics.print_runner_report(report, shared=False)
+    printed = capsys.readouterr().out
+    assert "size 8 (key 0) is served eagerly" in printed and "size 4 is served eagerly" in printed
+
+
 @pytest.mark.skipif(cuda_available(), reason="checks the no-GPU fallback")
 def test_diagnostics_of_a_callable_that_runs_eagerly_say_so():
     with warnings.catch_warnings():

@@ -233,8 +233,9 @@ def test_a_peer_whose_process_is_gone_makes_the_others_raise_within_the_timeout(
 def test_group_options_are_checked():
     with pytest.raises(TypeError, match="ProcessGroup"):
         bg.RunnerOptions(group="tp")
-    with pytest.raises(ValueError, match="peer_timeout"):
-        bg.RunnerOptions(peer_timeout=0)
+    for never in (0, float("inf"), float("nan")):  # inf and nan would fail only at the first exchange
+        with pytest.raises(ValueError, match="peer_timeout must be a finite number of seconds > 0"):
+            bg.RunnerOptions(peer_timeout=never)
     with pytest.raises(TypeError, match="agree_batches"):
         bg.RunnerOptions(agree_batches="yes")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Mapping, TypeVar
 
@@ -199,8 +200,8 @@ class RunnerOptions(_CaptureChoices):
                 "give group= or barrier_fn=, not both: with group= the runner's ranks agree at every barrier "
                 "themselves (a barrier_fn of your own would pair with no peer's)"
             )
-        if require_number("peer_timeout", self.peer_timeout) <= 0:
-            raise ValueError(f"peer_timeout must be a number of seconds > 0, got {self.peer_timeout!r}")
+        if not 0 < require_number("peer_timeout", self.peer_timeout) < math.inf:  # nan, too
+            raise ValueError(f"peer_timeout must be a finite number of seconds > 0, got {self.peer_timeout!r}")
 
     def capture(self, breaks: str, measure_memory: bool, barrier_fn: Callable[[], Any] | None = None) -> CaptureOptions:
         """The options of one size's capture.
