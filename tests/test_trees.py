@@ -155,3 +155,9 @@ def test_named_tuple_subclasses_and_dict_dataclasses_keep_their_tensors_when_reb
     assert [flat.path(index, "out") for index in range(len(flat.leaves))] == ["out[0].x", "out[0].y", "out[1].logits"]
     assert type(rebuilt[0]) is Labelled and torch.equal(rebuilt[0].y, torch.ones(3))
     assert type(rebuilt[1]) is Output and torch.equal(rebuilt[1]["logits"], torch.arange(4.0) + 1)
+
+
+def test_a_plain_object_is_the_same_structure_whatever_order_its_attributes_were_set_in():
+    first, second = Bag(torch.ones(1), 1), Bag.__new__(Bag)
+    second.note, second.item = 2, torch.zeros(1)  # set the other way round
+    assert trees.flatten(first, objects=True)[1] == trees.flatten(second, objects=True)[1]

@@ -47,7 +47,7 @@ def _is_object_node(value) -> bool:
 def _attribute_names(value) -> tuple[str, ...]:
     if dataclasses.is_dataclass(value):
         return tuple(field.name for field in dataclasses.fields(value))
-    return tuple(vars(value))
+    return tuple(sorted(vars(value)))  # a plain object's attributes, whatever order its code set them in
 
 
 def _flatten_object(value):
