@@ -103,6 +103,29 @@ def test_graph_replay_runs_the_function_written_for_the_current_stream_and_none_
     assert log == []  # nothing launched: the functions of the plan before went with it
 
 
+def test_a_dropped_graph_lets_its_segments_go_before_its_pool():
+    """Segments torch captured hold the pool in torch's allocator: a pool that died first would
+    keep its memory until the next capture start, not give it back at the drop."""
+    log = Log()
+
+    class Pool:
+        def __del__(self):
+            log.step("pool")
+
+    class DyingTorchGraph(FakeTorchGraph):
+        def __del__(self):
+            log.step(self.name)
+
+    graph = bg.BreakableCUDAGraph()
+    graph._segments = (TorchGraphSegment(0, "torch 0", None, DyingTorchGraph("segment", log)),)
+    graph._pool = Pool()
+    graph._current_stream = lambda: 0x10
+    graph._build_plan()  # the plan and its replay functions hold the segments too
+    graph.replay()
+    del graph
+    assert [name for name, _grad in log[-2:]] == ["segment", "pool"]
+
+
 def test_replay_before_capture_says_so_without_asking_cuda_for_a_stream():
     with pytest.raises(RuntimeError, match="holds no capture"):
         bg.BreakableCUDAGraph().replay()

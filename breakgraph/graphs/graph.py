@@ -42,13 +42,13 @@ class BreakableCUDAGraph:
     def __init__(self, pool: "torch.cuda.MemPool | None" = None, debug: bool | None = None):
         if pool is not None:
             require_pool(pool)
-        # Before the pool, so a dropped graph lets its segments go first: segments torch
-        # captured hold the pool in torch's allocator, and the pool gives its memory back
-        # as it dies only when nothing holds it there.
+        # Everything that holds the segments before the pool, so a dropped graph lets them go
+        # first: segments torch captured hold the pool in torch's allocator, and the pool
+        # gives its memory back as it dies only when nothing holds it there.
         self._segments: tuple[Segment, ...] = ()
-        self._pool = None if pool is None else OwnedPool(pool)
         self._plan: ReplayPlan | None = None
         self._replays: dict[int, Callable[[], None]] = {}  # the plan's by_stream: replay's one lookup
+        self._pool = None if pool is None else OwnedPool(pool)
         self._current_stream: Callable[[], int | None] = _no_stream  # the raw stream replay runs on
         self.debug = debug  # None: BREAKGRAPH_DEBUG decides
         self.check_finite = False
