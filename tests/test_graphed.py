@@ -122,3 +122,12 @@ def test_the_capture_device_is_found_in_dataclass_and_object_arguments_too():
 
     on_the_second_gpu = mock.MagicMock(spec=torch.Tensor, is_cuda=True, device=torch.device("cuda", 1))
     assert _device_of((Batch(on_the_second_gpu),), {}) == torch.device("cuda", 1)  # not the current device
+
+
+def test_an_option_name_the_function_declares_too_is_refused_as_ambiguous():
+    def step(x, measure_memory=False):
+        return x * 2
+
+    with pytest.raises(TypeError, match=r"measure_memory=, which is both an option of breakgraph's capture and an "
+                                        r"argument of .*step: give the option as options=bg.CaptureOptions\(measure_memory=...\)"):
+        bg.graphed(step, torch.ones(2), measure_memory=True)

@@ -191,11 +191,19 @@ def split_keywords(fn: Callable, keywords: dict) -> tuple[dict, dict]:
     A name that ``fn`` does not declare and that is close to one of
     breakgraph's options is refused as a likely misspelling, even where
     ``fn`` takes ``**kwargs``: passed on, it would be swallowed silently.
+    So is an option's name that ``fn`` declares: it could be meant for either.
     """
     known = CaptureOptions.names()
     capture = {name: value for name, value in keywords.items() if name in known}
     static = {name: value for name, value in keywords.items() if name not in known}
     declared = _declared_parameters(fn)
+    for name in capture:
+        if name in declared:
+            raise TypeError(
+                f"graphed() got {name}=, which is both an option of breakgraph's capture and an argument of "
+                f"{function_name(fn)}: give the option as options=bg.CaptureOptions({name}=...), and bind "
+                f"{function_name(fn)}'s own first: graphed(functools.partial(fn, {name}=...), ...)"
+            )
     for name in static:
         guess = None if name in declared else near_miss(name, known + _GRAPHED_OWN)
         if guess is not None:
