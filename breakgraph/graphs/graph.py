@@ -263,7 +263,9 @@ class BreakableCUDAGraph:
 
     @property
     def debug(self) -> bool:
-        """Replay checks argument addresses and synchronizes after every segment, naming the one that failed."""
+        """Replay checks argument addresses and synchronizes after every segment, naming the one that failed.
+        Switched on after the capture, replay synchronizes; the addresses are recorded, and so checked,
+        only by a capture made in debug mode."""
         return self._debug
 
     @debug.setter
