@@ -180,7 +180,7 @@ class _TreeWriter:
                     if index in self.in_arguments:
                         _fail_over_an_argument(self.function_name, flat.path(index, "out"))
                     copies.append((old, new))
-            elif isinstance(new, torch.Tensor):  # the graphs after the break read no tensor there
+            elif isinstance(new, torch.Tensor) and self.replace_values:  # the graphs after the break read no tensor there
                 _fail(self.function_name, flat.path(index, "out"), f"{type(old).__name__} at capture, Tensor at replay")
             elif new is not old and self.replace_values:
                 replacements.append((index, new))
