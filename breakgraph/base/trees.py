@@ -56,9 +56,10 @@ def _flatten_object(value):
 
 
 def _unflatten_object(cls: type) -> Callable:
+    if issubclass(cls, dict):  # a dataclass that is a dict too (transformers' ModelOutput): its constructor fills both
+        return lambda names, children: cls(**dict(zip(names, children)))
+
     def build(names, children):
-        if issubclass(cls, dict):  # a dataclass that is a dict too (transformers' ModelOutput): its constructor fills both
-            return cls(**dict(zip(names, children)))
         value = cls.__new__(cls)
         for name, child in zip(names, children):
             object.__setattr__(value, name, child)  # frozen dataclasses too
