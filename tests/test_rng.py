@@ -78,9 +78,11 @@ class FakeTorchGraph:
         self.log.append(("register", gen.name))
 
     def capture_begin(self, pool=None, capture_error_mode="global"):
+        assert self.log.current is FakeStream.the, "torch begins its capture on the current stream: the capture stream"
         self.log.append(("torch capture_begin", pool, capture_error_mode))
 
     def capture_end(self):
+        assert self.log.current is FakeStream.the, "torch ends its capture on the current stream: the capture stream"
         self.log.append("torch capture_end")
 
     def instantiate(self):
@@ -89,6 +91,9 @@ class FakeTorchGraph:
 
 class FakeStream:
     cuda_stream, device = 0x5, torch.device("cuda", 0)
+
+
+FakeStream.the = FakeStream()
 
 
 class FakeRawGraph:
@@ -115,6 +120,17 @@ class FakeRawGraph:
 def stand_ins(monkeypatch):
     """CUDA and torch's CUDA graph stood in for, logging what the capture asks of them."""
     log = Log()
+    log.current = "a side stream"  # what the user's code made current
+
+    @contextlib.contextmanager
+    def on_stream(stream):
+        previous, log.current = log.current, stream
+        try:
+            yield stream
+        finally:
+            log.current = previous
+
+    monkeypatch.setattr(rng, "on_stream", on_stream)
     monkeypatch.setattr(FakeTorchGraph, "log", log, raising=False)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeTorchGraph)
     monkeypatch.setattr(torch.cuda, "default_generators", (FakeGenerator("default"),))
@@ -136,7 +152,7 @@ def test_a_random_op_in_a_segment_goes_on_in_a_capture_torch_begins_on_every_ver
     monkeypatch.setattr(torch, "__version__", version)
     user = FakeGenerator("user's")
     options = CaptureOptions(generators=(user,), capture_error_mode="thread_local")
-    active = recorder.start(FakePool(), FakeStream(), options, record_addresses=False)
+    active = recorder.start(FakePool(), FakeStream.the, options, record_addresses=False)
     try:
         torch.ones(4).add_(1)  # captured by cuda.bindings: the watch lets it through
         assert stand_ins[-1] == "raw begin"
@@ -160,7 +176,7 @@ def test_a_random_op_in_a_segment_goes_on_in_a_capture_torch_begins_on_every_ver
 
 
 def test_with_random_ops_break_no_torch_capture_begins(stand_ins):
-    active = recorder.start(FakePool(), FakeStream(), CaptureOptions(random_ops="break"), record_addresses=False)
+    active = recorder.start(FakePool(), FakeStream.the, CaptureOptions(random_ops="break"), record_addresses=False)
     try:
         torch.rand(4)
     finally:
@@ -171,7 +187,7 @@ def test_with_random_ops_break_no_torch_capture_begins(stand_ins):
 
 def test_a_capture_told_its_function_draws_nothing_watches_no_op(stand_ins):
     with context.skip_op_watch():
-        active = recorder.start(FakePool(), FakeStream(), CaptureOptions(), record_addresses=False)
+        active = recorder.start(FakePool(), FakeStream.the, CaptureOptions(), record_addresses=False)
     try:
         torch.rand(4)  # unwatched: nothing splits (on a GPU, torch would refuse the op, and graphed captures again)
     finally:
@@ -182,7 +198,7 @@ def test_a_capture_told_its_function_draws_nothing_watches_no_op(stand_ins):
 @pytest.mark.parametrize("refused", [False, True])
 def test_the_segment_a_random_op_ended_is_launched_as_part_of_the_one_torch_records_from_that_op(stand_ins, monkeypatch, refused):
     monkeypatch.setattr(rng, "borrowed_graph", lambda graph: FakeRawGraph(stand_ins, "torch's", num_nodes=2, refuses=refused))
-    active = recorder.start(FakePool(), FakeStream(), CaptureOptions(), record_addresses=False)
+    active = recorder.start(FakePool(), FakeStream.the, CaptureOptions(), record_addresses=False)
     torch.ones(4).add_(1)
     torch.rand(4)  # the raw segment ends here; torch records from here on
     segments = active.finish().segments

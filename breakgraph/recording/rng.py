@@ -35,6 +35,7 @@ from typing import Sequence
 import torch
 
 import breakgraph_bindings as bindings
+from breakgraph.base.runtime import on_stream
 
 
 def registers_generators_explicitly(torch_version: str) -> bool:
@@ -116,8 +117,12 @@ def _stop_routing_to(pool: torch.cuda.MemPool) -> None:
 
 class TorchCapture:
     """One segment captured by ``torch.cuda.CUDAGraph`` on ``stream`` (the capture stream,
-    current, with no capture open on it) into ``pool``: torch arms the generators for it,
+    with no capture open on it) into ``pool``: torch arms the generators for it,
     records what it draws, and refills and advances them at each ``replay()``.
+
+    torch begins and ends a capture on the current stream, which may be a side stream
+    (a random op, or a break, under ``torch.cuda.stream(side)``): ``stream`` is made
+    current for each of those calls.
 
     ``generators`` are the CUDA generators beside the device's default one that the
     segment may draw from; ``wait`` is how long to wait for another capture's segment
@@ -136,12 +141,13 @@ class TorchCapture:
         self.pool, self.stream = pool, stream
         _claim(self.generators, wait)
         try:
-            _keep_pool_known(pool, stream)
-            self.graph = torch.cuda.CUDAGraph(keep_graph=True)
-            if registers_generators_explicitly(torch.__version__):
-                for gen in self.generators[1:]:
-                    self.graph.register_generator_state(gen)
-            _begin(self.graph, pool, mode, stream)
+            with on_stream(stream):
+                _keep_pool_known(pool, stream)
+                self.graph = torch.cuda.CUDAGraph(keep_graph=True)
+                if registers_generators_explicitly(torch.__version__):
+                    for gen in self.generators[1:]:
+                        self.graph.register_generator_state(gen)
+                _begin(self.graph, pool, mode, stream)
         except BaseException:
             _release(self.generators)
             raise
@@ -149,7 +155,8 @@ class TorchCapture:
     def end(self) -> torch.cuda.CUDAGraph:
         """End the capture; the graph is ready to instantiate and replay."""
         try:
-            self.graph.capture_end()
+            with on_stream(self.stream):
+                self.graph.capture_end()
         finally:
             _release(self.generators)
         return self.graph
@@ -165,7 +172,7 @@ class TorchCapture:
         """
         stream = self.stream
         try:
-            with warnings.catch_warnings():
+            with on_stream(stream), warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # "The CUDA Graph is empty": a failure can come first
                 try:
                     self.graph.capture_end()

@@ -376,6 +376,37 @@ def test_a_full_graph_with_dropout_draws_fresh_masks_equal_to_eagers_and_has_no_
     assert not torch.equal(masks[0], masks[1]) and torch.equal(masks[0], masks[2])
 
 
+def test_a_random_op_and_a_break_under_a_side_stream_are_captured_on_the_capture_stream():
+    """torch begins and ends its captures on the current stream: a segment whose first random
+    op runs on a side stream, and one a break ends while the side stream is current, are still
+    begun and ended on the capture stream, and replay draws what eager draws."""
+    x = torch.randn(N, device=DEV)
+    side = torch.cuda.Stream()
+
+    def region():
+        h = x * 2
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            dropped = F.dropout(h, 0.5, training=True)
+            mixed = softmax_eager(dropped[:64].view(8, 8))  # a break while the side stream is current
+            more = F.dropout(dropped + 1, 0.25, training=True)
+        torch.cuda.current_stream().wait_stream(side)
+        return dropped, mixed, more + h
+
+    graph, out = capture(region)
+    assert graph.num_eager_breaks == 1 and graph.draws_random_numbers
+    for seed in (5, 6):
+        x.copy_(torch.randn_like(x))
+        poison_(out)
+        torch.cuda.manual_seed(seed)
+        graph.replay()
+        torch.cuda.manual_seed(seed)
+        expected = region()
+        torch.cuda.synchronize()
+        for got, want in zip(out, expected):
+            assert torch.equal(got, want)
+
+
 def test_a_training_step_with_dropout_is_bit_exact_against_eager_over_ten_steps():
     def make():
         torch.manual_seed(0)
