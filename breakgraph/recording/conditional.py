@@ -257,7 +257,32 @@ def _body(capture, graph: bindings.Graph, construct: str, function: str):
                 "breakgraph will not use again, and CUDA may crash or hang at the next call: restart the process."
             ) from error
         raise
-    bindings.end_body_capture(stream)
+    _end_body(capture, stream, device, depth, f"{construct}'s {function}")
+
+
+def _end_body(capture, stream: torch.cuda.Stream, device: torch.device, depth: int, what: str) -> None:
+    """End the capture of a body that ran to its end. One CUDA invalidated on the way (the
+    body caught CUDA's refusal of an operation and went on) is abandoned, not ended, as
+    after a refusal that reached :func:`_body`; a failed end fails the capture around it."""
+    status = bindings.capture_status(stream)
+    if status is not bindings.CaptureStatus.ACTIVE:
+        capture.body_failed(f"the capture of {what} was {status.name.lower()}")
+        runtime.abandon_body_stream(device, depth)
+        raise UncapturableOpError(
+            f"the capture of {what} was {status.name.lower()} by the time it returned: CUDA refused an operation "
+            "in it and the error was caught inside it. Let the error through (or keep the operation out of the "
+            "branch), or make the whole call an eager break. The driver cannot end such a capture without "
+            "crashing (NVBUG 6805256), so it was left open on a stream breakgraph will not use again, and CUDA "
+            "may crash or hang at the next call: restart the process."
+        )
+    try:
+        bindings.end_body_capture(stream)
+    except bindings.CudaError as error:
+        capture.body_failed(f"the capture of {what} could not be ended ({error})")
+        raise UncapturableOpError(
+            f"the capture of {what} could not be ended ({error}): a body that forks side streams must join "
+            "them back into the stream it runs on before it returns."
+        ) from error
 
 
 def _close_failed(stream: torch.cuda.Stream, device: torch.device, depth: int, refused_by_cuda: bool) -> bool:

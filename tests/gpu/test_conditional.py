@@ -341,30 +341,60 @@ def test_a_predicate_on_the_wrong_device_is_refused():
     _assert_next_capture_works()
 
 
+_CAPTURE_IN_A_PROCESS_OF_ITS_OWN = """
+import os, torch, breakgraph as bg
+x = torch.randn(6, device="cuda")
+{true_fn}
+synchronize = torch.cuda.Stream.synchronize
+try:
+    with bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph()):
+        bg.cond(x.sum() > 0, query, lambda a: a * 2, x)
+except bg.UncapturableOpError as error:
+    print("refused:", error)
+assert not bg.is_capturing() and torch.cuda.Stream.synchronize is synchronize
+print("ok", flush=True)
+os._exit(0)
+"""
+
+
+def _capture_in_a_process_of_its_own(true_fn: str) -> str:
+    """Capture a cond whose true_fn is ``query``, defined by ``true_fn``, where a crash cannot
+    take pytest down; leave at once (CUDA's state may be lost). Its output, which ends in "ok"."""
+    script = _CAPTURE_IN_A_PROCESS_OF_ITS_OWN.format(true_fn=textwrap.dedent(true_fn))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip().endswith("ok") and "restart the process" in done.stdout, done.stdout
+    return done.stdout
+
+
 def test_a_body_cuda_invalidates_is_refused_and_its_capture_left_behind_says_so():
     """A call CUDA refuses in a body, which the op watch cannot see, invalidates the body's
     capture, and the driver crashes when such a capture is ended (NVBUG 6805256): the error
     says to restart (CUDA's state is lost: the next CUDA call may crash or hang), and the
-    capture's hooks are gone. Run where a crash cannot take pytest down, leaving at once."""
-    script = textwrap.dedent(
+    capture's hooks are gone."""
+    out = _capture_in_a_process_of_its_own(
         """
-        import os, torch, breakgraph as bg
-        x = torch.randn(6, device="cuda")
         def query(a):
             torch.cuda.current_stream().query()  # no op of torch's: CUDA refuses it mid-capture
             return a
-        synchronize = torch.cuda.Stream.synchronize
-        try:
-            with bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph()):
-                bg.cond(x.sum() > 0, query, lambda a: a * 2, x)
-        except bg.UncapturableOpError as error:
-            print("refused:", error)
-        assert not bg.is_capturing() and torch.cuda.Stream.synchronize is synchronize
-        print("ok", flush=True)
-        os._exit(0)
         """
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "(<string>:5) made CUDA refuse the capture of cond's true_fn" in done.stdout and "restart the process" in done.stdout
-    assert done.stdout.strip().endswith("ok")
+    assert "(<string>:6) made CUDA refuse the capture of cond's true_fn" in out
+
+
+def test_a_body_that_catches_cudas_refusal_is_refused_when_it_returns_and_its_capture_left_behind():
+    """A body that catches CUDA's refusal and goes on returns with its capture invalidated,
+    which the driver crashes on ending (NVBUG 6805256): the capture is left open, the error
+    says so, and the capture around it fails cleanly."""
+    out = _capture_in_a_process_of_its_own(
+        """
+        def query(a):
+            done = a + 1  # the body's work, before the call CUDA refuses
+            try:
+                torch.cuda.current_stream().query()  # CUDA refuses it mid-capture
+            except RuntimeError:
+                pass
+            return done
+        """
+    )
+    assert "the capture of cond's true_fn was invalidated by the time it returned" in out
