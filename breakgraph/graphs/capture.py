@@ -62,7 +62,8 @@ class BreakableCUDAGraphCapture:
 
     def __enter__(self) -> BreakableCUDAGraph:
         runtime.require_capture("a `with BreakableCUDAGraphCapture(...)` block")
-        caller_stream = torch.cuda.current_stream(torch.cuda.current_device())
+        # The stream the caller's work is on, on the device that captures: ``stream``'s, if given.
+        caller_stream = torch.cuda.current_stream(torch.cuda.current_device() if self.stream is None else self.stream.device)
         with contextlib.ExitStack() as scope:
             # Held from before the stream is first touched: another capture's stream is refused.
             stream = scope.enter_context(runtime.claim_capture_stream(caller_stream.device, self.stream))
@@ -76,18 +77,20 @@ class BreakableCUDAGraphCapture:
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         scope, self._scope = self._scope, None
-        capture_stream = self._capture_stream
+        ended = False
         try:
             if exc_type is None:
                 self.graph.capture_end()
+                ended = True
             else:
                 self.graph.capture_abort()
         finally:
             scope.close()
-        if exc_type is None:
-            self._caller_stream.wait_stream(capture_stream)
-            return False
-        clearer = clearer_error(exc, self.options.random_ops)
+            # The caller's later work follows what the capture stream ran, a failed capture's
+            # eager breaks too; after a failure only where CUDA still can: its error is the one to report.
+            with contextlib.nullcontext() if ended else contextlib.suppress(RuntimeError):
+                self._caller_stream.wait_stream(self._capture_stream)
+        clearer = None if exc_type is None else clearer_error(exc, self.options.random_ops)
         if clearer is not None:
             raise clearer from exc
         return False

@@ -1,6 +1,7 @@
 """Capture and replay on a real GPU: breaks anywhere, arguments of every shape, compared with eager."""
 
 
+import pytest
 import torch
 
 import breakgraph as bg
@@ -177,3 +178,30 @@ def test_is_capturing_in_graph_and_eager_parts_not_on_replay():
     seen.clear()
     graph.replay()
     assert seen == [("break", False)]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_a_capture_stream_on_another_device_follows_and_joins_that_devices_current_stream():
+    """With device 0 current and a capture stream of device 1, the capture orders itself
+    after device 1's current stream (where the inputs were written) and that stream after
+    the capture, not device 0's."""
+    other = torch.device("cuda", 1)
+    torch.cuda.set_device(0)
+    x = torch.zeros(1 << 20, device=other)
+    with torch.cuda.device(other):
+        torch.cuda._sleep(200_000_000)  # the input is written late on device 1's current stream
+        x.fill_(1.0)
+    seen = []
+
+    @bg.eager_on_graph
+    def read_and_double(t):
+        seen.append(t.sum().item())
+        torch.cuda._sleep(200_000_000)
+        return t * 2
+
+    with bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph(), stream=torch.cuda.Stream(other)):
+        doubled = read_and_double(x)
+    assert torch.cuda.current_device() == 0
+    assert seen == [float(x.numel())]
+    with torch.cuda.device(other):
+        assert torch.equal(doubled, x * 2)  # on device 1's current stream, after the break

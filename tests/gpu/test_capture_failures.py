@@ -61,6 +61,23 @@ def test_exception_in_capture_leaves_nothing_behind(body):
     _assert_clean_state(caller)
 
 
+def test_a_failed_capture_still_orders_the_callers_later_work_after_its_breaks():
+    """A break ran eagerly on the capture stream before the block failed: the caller's stream
+    waits for it, as after a capture that ends, so reading the break's output is safe."""
+    x = torch.ones(1 << 20, device=DEV)
+
+    @bg.eager_on_graph
+    def slow_double(t):
+        torch.cuda._sleep(200_000_000)  # long enough that an unordered read comes first
+        return t * 2
+
+    with pytest.raises(Boom):
+        with bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph()):
+            doubled = slow_double(x)
+            raise Boom("after the break")
+    assert torch.equal(doubled, x * 2)
+
+
 @pytest.mark.parametrize("which", ["begin", "end"])
 def test_failure_at_segment_boundary_leaves_nothing_behind(monkeypatch, which):
     caller = torch.cuda.current_stream()
