@@ -8,7 +8,7 @@ from typing import Callable
 import cuda.bindings
 from cuda.bindings import runtime as cudart
 
-from .errors import CudaError, check
+from .errors import CudaError, check, clear_last_error
 from .streams import StreamHandle, StreamLike, stream_handle
 
 _SUCCESS = cudart.cudaError_t.cudaSuccess
@@ -158,6 +158,7 @@ class GraphExec(_Owned):
         is not promised, so update it again with the graph it should hold."""
         err, info = cudart.cudaGraphExecUpdate(self.handle, graph.handle)
         if err != _SUCCESS:  # cuda-bindings returns no result info with an error
+            clear_last_error()  # the caller handles the refusal: torch's next check must not see it
             reason = info.result.name.removeprefix("cudaGraphExecUpdate") if info is not None else CudaError(err).name
             raise GraphUpdateRefused(err, "cudaGraphExecUpdate", "", reason)
 

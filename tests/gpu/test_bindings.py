@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from cuda.bindings import runtime as cudart
 
 import breakgraph_bindings as bindings
 
@@ -53,6 +54,8 @@ def test_an_update_across_topologies_is_refused_with_cuda_s_reason_and_the_execu
         executable.update(two_steps)
     assert refused.value.reason in ("ErrorTopologyChanged", "cudaErrorGraphExecUpdateFailure")
     assert str(refused.value).startswith("cudaGraphExecUpdate: cudaErrorGraphExecUpdateFailure")
+    # handled, so not left for the next library that checks CUDA's last error (torch's next kernel)
+    assert cudart.cudaPeekAtLastError()[0] == cudart.cudaError_t.cudaSuccess
     executable.update(doubled)
     y.fill_(float("nan"))
     torch.cuda.synchronize()  # the poison lands before the launch on the other stream
