@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -82,6 +83,9 @@ def _positive(text: str) -> int:
     return value
 
 
+_DEFAULT_PLOT = "breakgraph_profile.png"  # checked only where a plot is written: a run without a GPU writes none
+
+
 def _plot_path(text: str) -> str:
     """Refuse at once a plot path that the run could only fail to write at its end."""
     if os.path.isdir(text):
@@ -99,9 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plot",
         type=_plot_path,
-        default="breakgraph_profile.png",
         metavar="PATH",
-        help="where to write the per-segment profile plot (GPU only; default breakgraph_profile.png)",
+        help=f"where to write the per-segment profile plot (GPU only; default {_DEFAULT_PLOT})",
     )
 
 
@@ -113,6 +116,13 @@ def run(args: argparse.Namespace) -> int:
     device = "cuda" if on_gpu else "cpu"
     if not on_gpu:
         print(f"breakgraph demo: {eager_reason}; running the eager path (the same model code, no graphs)")
+    plot = args.plot
+    if on_gpu and plot is None:
+        try:
+            plot = _plot_path(_DEFAULT_PLOT)
+        except argparse.ArgumentTypeError as refused:
+            print(f"breakgraph demo: the profile plot's default path: {refused}", file=sys.stderr)
+            return 2
     model = TinyTransformer().to(device).eval()
     static_x = torch.randn(args.batch, args.seq, 256, device=device)
 
@@ -140,8 +150,8 @@ def run(args: argparse.Namespace) -> int:
         diagnostics.summary(graph)
         rows = diagnostics.profile(graph, iters=20)
         print(diagnostics.format_profile(rows))
-        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)  # checked when the command line was read
-        print(f"profile plot: {diagnostics.plot_profile(rows, args.plot)}")
+        Path(plot).parent.mkdir(parents=True, exist_ok=True)  # checked before the run
+        print(f"profile plot: {diagnostics.plot_profile(rows, plot)}")
         print(f"time per step: eager {eager_ms:.3f} ms, breakable replay {replay_ms:.3f} ms ({eager_ms / replay_ms:.2f}x)")
     else:
         print(

@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from breakgraph.base.runtime import cuda_available
+
 
 def breakgraph(*args) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.getcwd())
@@ -143,3 +145,26 @@ def test_the_gpu_line_reports_a_driver_torch_cannot_use_without_failing(monkeypa
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(torch.cuda, "device_count", broken)
     assert gpu_line() == "no CUDA GPU usable (The NVIDIA driver on your system is too old (found version 11040).)"
+
+
+def _demo_in_proc() -> subprocess.CompletedProcess:
+    """The demo run from /proc, where no file can be made: the default plot path cannot be written."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
+    command = [sys.executable, "-m", "breakgraph", "demo", "--iters", "2"]
+    return subprocess.run(command, capture_output=True, text=True, env=env, cwd="/proc", timeout=300)
+
+
+@pytest.mark.skipif(cuda_available() or not os.path.isdir("/proc/self"), reason="the no-GPU path, in Linux's /proc")
+def test_without_a_gpu_the_demo_runs_where_its_default_plot_could_not_be_written():
+    run = _demo_in_proc()
+    assert run.returncode == 0, run.stderr
+    assert "no profile plot was written" in run.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc, where no file can be made")
+def test_on_a_gpu_the_demo_refuses_a_default_plot_path_it_cannot_write_before_it_captures():
+    run = _demo_in_proc()
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "the profile plot's default path: cannot write breakgraph_profile.png" in run.stderr
+    assert "captured:" not in run.stdout
