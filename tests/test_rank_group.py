@@ -43,11 +43,15 @@ def _agreeing_ranks(rank: int, store: str, results: str) -> None:
     _join(rank, store)
     outcome = {}
     ranks = RankGroup(None, timeout=30)
-    outcome["dispatch"] = ranks.dispatch([3, 7, 1][rank], key_index=1)
+    outcome["dispatch"] = ranks.dispatch([3, 7, 1][rank], [1, 0])
     try:
-        ranks.dispatch(2, key_index=rank % 2)
+        ranks.dispatch(2, [rank % 2, -1])
     except ValueError as error:
         outcome["keys"] = str(error)
+    try:  # the same first key, but not the same fallback: the walk could part at the second
+        ranks.dispatch(2, [1, 0] if rank else [1, -1])
+    except ValueError as error:
+        outcome["fallback"] = str(error)
     ranks.same([4, 5], "the call")
     try:
         ranks.same([4, rank], "the call")
@@ -92,7 +96,7 @@ def _run(tmp_path, target, world=WORLD) -> list[dict]:
 def test_ranks_agree_on_batch_key_call_retry_and_state(tmp_path):
     for rank, outcome in enumerate(_run(tmp_path, _agreeing_ranks)):
         assert outcome["dispatch"] == 7
-        assert "chose different keys" in outcome["keys"]
+        assert "chose different keys" in outcome["keys"] and "chose different keys" in outcome["fallback"]
         assert "disagree on the call" in outcome["same"]
         assert outcome["retry"] == [True, False, False], rank
         assert outcome["broadcast"] == [0, 10]
@@ -210,7 +214,7 @@ def _losing_a_peer(rank: int, store: str, results: str) -> None:
         os._exit(0)  # gone without a word, mid-job
     started = time.monotonic()
     try:
-        ranks.dispatch(1, 0)
+        ranks.dispatch(1, [0])
         outcome = {"raised": None}
     except bg.PeerCaptureError as error:
         outcome = {"raised": str(error), "lost": error.lost, "seconds": time.monotonic() - started}

@@ -116,21 +116,25 @@ class RankGroup:
         """
         return self._largest([report], "whether to retry a failed capture")[0] == RETRY
 
-    def dispatch(self, n: int, key_index: int) -> int:
-        """The largest batch of any rank, once every rank has chosen the same key: each rank
-        then pads to it, so every rank replays the same graph or every rank runs eagerly.
+    def dispatch(self, n: int, preference: Sequence[int]) -> int:
+        """The largest batch of any rank, once every rank has chosen the same keys in the same
+        order: each rank then pads to it and walks the same keys, so every rank replays the
+        same graph or every rank runs eagerly.
 
         Arguments:
             n (int): this rank's live rows.
-            key_index (int): the index of the key this rank's batch prefers.
+            preference (sequence of int): the indices of the keys this rank's batch may go
+                to, most preferred first, padded with -1 to the runner's number of keys.
         """
-        largest, key, negated = self._largest([n, key_index, -key_index], "the batch size")
-        if key != -negated:
+        preference = [int(index) for index in preference]
+        largest = self._largest([n, *preference, *(-index for index in preference)], "the batch size")
+        chosen, negated = largest[1 : 1 + len(preference)], largest[1 + len(preference) :]
+        if chosen != [-index for index in negated]:
             raise ValueError(
                 "the ranks' key_fn chose different keys for one step: every rank must serve the same graph "
                 "variant (the same keys, in the same order), since its collectives pair with the other ranks'"
             )
-        return largest
+        return largest[0]
 
     def same(self, values: Sequence[int], what: str) -> None:
         """Raise on every rank alike unless every rank passed the same ``values``.

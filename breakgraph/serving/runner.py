@@ -149,16 +149,17 @@ class GraphRunner:
         """Capture the (key, size) pairs of ``work`` not captured yet, largest size first."""
         work = sorted((item for item in work if not self._policy.done(*item)), key=lambda item: -item[1])
         pool = self._memory.ensure_pool()  # also with no work: a runner with no pool captures every size on its first call
-        if work:
-            with progress_bar(len(work), self.options.progress) as advance:
-                # Tensor-parallel ranks capture every size under one agreement, and only where that
-                # fails, each size under its own, where a failure is retried or served eagerly.
-                if self.ranks is None or len(work) < 2 or not self._policy.capture_together(work, pool, advance):
-                    advance.restart()
-                    for key, size in work:
-                        self._policy.capture(key, size, pool)
-                        advance()
-        self._memory.share_among_sizes()  # also with no work: estimate_memory()'s probes are not shared yet
+        if not work:
+            return
+        with progress_bar(len(work), self.options.progress) as advance:
+            # Tensor-parallel ranks capture every size under one agreement, and only where that
+            # fails, each size under its own, where a failure is retried or served eagerly.
+            if self.ranks is None or len(work) < 2 or not self._policy.capture_together(work, pool, advance):
+                advance.restart()
+                for key, size in work:
+                    self._policy.capture(key, size, pool)
+                    advance()
+        self._memory.share_among_sizes()
 
     # -- dispatch ------------------------------------------------------------------------
     def select(self, n: int, candidates: Sequence[Hashable] = (None,)) -> tuple[Hashable, int] | None:
@@ -183,7 +184,7 @@ class GraphRunner:
         live = self.inputs.check(inputs)
         n = live[0].shape[0]
         candidates = self._candidates(inputs)
-        rows = self._rows_of_every_rank(n, candidates[0])
+        rows = self._rows_of_every_rank(n, candidates)
         if self._memory.released is not None:
             if self._memory.while_released == "raise":
                 raise RuntimeError("this GraphRunner's graphs are released (runner.release()): call runner.restore() first")
@@ -199,22 +200,23 @@ class GraphRunner:
         key, size = chosen
         self.inputs.fill(live, size, self.options.pad_value)
         graphed = self._policy.graphed.get((key, size))
-        first_use = None
-        if graphed is None and not self._policy.done(key, size):  # lazy: captured on first use, and replayed there
-            first_use = self._policy.capture_on_first_use(key, size, self.pool, after=self._memory.share_among_sizes)
         if graphed is not None:
             output = graphed.replay()
-        elif first_use is not None:
-            _graphed, output = first_use
+        elif not self._policy.done(key, size) and (
+            graphed := self._policy.capture_on_first_use(key, size, self.pool, after=self._memory.share_among_sizes)
+        ) is not None:
+            output = graphed.output  # lazy: captured on first use, and replayed there for this call
         else:  # its capture failed: the same padded buffers, eagerly
             output = self._run_eagerly(self.inputs.views(size), key, size, size)
         return live_rows(output, size, n, self.options.clone)
 
-    def _rows_of_every_rank(self, n: int, key: Hashable) -> int:
-        """``n``, or with ``group`` (and ``agree_batches``) the largest batch of any rank."""
+    def _rows_of_every_rank(self, n: int, candidates: list[Hashable]) -> int:
+        """``n``, or with ``group`` (and ``agree_batches``) the largest batch of any rank, once
+        the ranks agree on ``candidates``: each walks them to pick the graph."""
         if self.ranks is None or not self.options.agree_batches:
             return n
-        return self.ranks.dispatch(n, self.keys.index(key))
+        preference = [self.keys.index(key) for key in candidates]
+        return self.ranks.dispatch(n, preference + [-1] * (len(self.keys) - len(preference)))
 
     def _run_eagerly(self, inputs: Any, key: Hashable, n: int, rows: int) -> Any:
         """``fn`` on ``inputs`` padded from ``n`` to ``rows`` rows (so that every rank's
@@ -233,7 +235,7 @@ class GraphRunner:
             return [None]
         key_args, key_kwargs = self._policy.arguments(inputs, None)
         keys = self.key_fn(*key_args, **key_kwargs)
-        keys = list(keys) if isinstance(keys, (list, tuple)) else [keys]
+        keys = list(dict.fromkeys(keys)) if isinstance(keys, (list, tuple)) else [keys]
         unknown = [key for key in keys if key not in self.modes]
         if unknown or not keys:
             raise ValueError(
