@@ -73,6 +73,10 @@ class ForwardWrites:
         self.positions = torch.zeros(max_batch_size, dtype=torch.long, device=device)
         self.first_row, self.query_length = 0, 1
 
+    def begin(self, positions: torch.Tensor, first_row: int, query_length: int) -> None:
+        """The next forward's: see :meth:`KVCache.begin`."""
+        self.positions, self.first_row, self.query_length = positions, first_row, query_length
+
     def position_ids(self, batch: int, query_length: int) -> torch.Tensor:
         return self.positions[:batch, None] + self.offsets[:query_length]
 
@@ -172,8 +176,7 @@ class KVCache(Cache):
             first_row (int): the cache row of the batch's row 0.
             query_length (int): new tokens per row.
         """
-        writes = self.writes
-        writes.positions, writes.first_row, writes.query_length = positions, first_row, query_length
+        self.writes.begin(positions, first_row, query_length)
 
     @property
     def lengths(self) -> RowLengths:

@@ -37,9 +37,14 @@ def alias_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return alias
 
 
+def is_plain_tensor(leaf) -> bool:
+    """A tensor that is its bytes and nothing more: subclasses (quantized, DTensor, user
+    wrappers) carry more, so they are kept, never aliased or told apart by their memory."""
+    return type(leaf) in (torch.Tensor, torch.nn.Parameter)
+
+
 def _aliasable(leaf) -> bool:
-    # Subclasses (quantized, DTensor, user wrappers) carry more than their bytes: keep them.
-    return type(leaf) in (torch.Tensor, torch.nn.Parameter) and leaf.is_cuda
+    return is_plain_tensor(leaf) and leaf.is_cuda
 
 
 def alias_leaves(leaves) -> list:

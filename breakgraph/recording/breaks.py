@@ -25,7 +25,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from breakgraph.base import trees
-from breakgraph.recording.aliasing import alias_leaves, alias_result, alias_tensor
+from breakgraph.recording.aliasing import alias_leaves, alias_result, alias_tensor, is_plain_tensor
 from breakgraph.recording.dispatch import UncapturableOpError, is_capture_violation
 from breakgraph.recording.outputs import check_output
 from breakgraph.base.pool import PoolUsage
@@ -195,7 +195,7 @@ def _in_arguments(result_leaves: list, argument_leaves: list) -> frozenset[int]:
 
 
 def _has_storage(leaf) -> bool:
-    return type(leaf) in (torch.Tensor, torch.nn.Parameter) and leaf.layout is torch.strided
+    return is_plain_tensor(leaf) and leaf.layout is torch.strided
 
 
 def _storage(tensor: torch.Tensor) -> int:

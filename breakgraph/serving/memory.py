@@ -90,6 +90,7 @@ class RunnerMemory:
                 kept = usage.allocated_bytes - kept_before
                 probes_by_key.setdefault(key, []).append(Probe(size, kept, graphed.graph.executable_bytes, usage.reserved_bytes))
         seconds = time.perf_counter() - started
+        self.share_among_sizes()  # the probes, as capture() shares what it captures
         return extrapolate(sizes_by_key, probes_by_key, usage.reserved_bytes, seconds, usage.allocated_bytes)
 
     def release(self, keep_graphs: bool, while_released: str) -> dict:

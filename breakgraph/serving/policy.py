@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import torch
 
@@ -132,19 +132,19 @@ class CapturePolicy:
 
     def capture_on_first_use(
         self, key: Hashable, size: int, pool: torch.cuda.MemPool, after: Callable[[], None]
-    ) -> tuple[GraphedCallable, Any] | None:
+    ) -> GraphedCallable | None:
         """Lazy capture: capture (key, size), call ``after()`` (sharing), and replay once for
-        the call that needed it, remembering how long the whole first use took. Returns the
-        graph and that replay's output, or None where the capture failed (served eagerly)."""
+        the call that needed it (its ``output``), remembering how long the whole first use
+        took. None where the capture failed (served eagerly)."""
         started = time.perf_counter()
         graphed = self.capture(key, size, pool)
         if graphed is None:
             return None
         after()
-        output = graphed.replay()
+        graphed.replay()
         torch.cuda.current_stream(graphed.graph.device).synchronize()
         self.first_use_seconds[(key, size)] = time.perf_counter() - started
-        return graphed, output
+        return graphed
 
     def forget(self) -> None:
         """Drop every graph and what was learnt capturing it (the runner releases its
