@@ -64,6 +64,15 @@ def checked_keys(keys: Sequence[Hashable] | None, key_fn: Callable | None) -> tu
     return list(keys), key_fn
 
 
+def preferred_keys(returned: object, keys: list) -> list:
+    """What ``key_fn`` returned, as a list of the runner's ``keys``, most preferred first
+    (once each); anything else is refused."""
+    chosen = list(dict.fromkeys(returned)) if isinstance(returned, (list, tuple)) else [returned]
+    if not chosen or any(key not in keys for key in chosen):
+        raise ValueError(f"key_fn returned {returned!r}, but this runner's keys are {keys}: return one or more of them, most preferred first")
+    return chosen
+
+
 def known_keys(keys: Sequence[Hashable], known: list) -> list:
     """``keys`` as a list, once each is one of ``known`` (the runner's)."""
     return _known_to_runner("keys", keys, known, "keys")

@@ -8,7 +8,9 @@ from typing import Callable, Hashable, Sequence
 
 import torch
 
+from breakgraph import diagnostics
 from breakgraph.base import runtime
+from breakgraph.base.sizes import by_key_and_size
 from breakgraph.serving.batches import StaticInputs
 from breakgraph.recording.dispatch import UncapturableOpError, is_capture_invalidated, is_capture_violation
 from breakgraph.graphs.graphed import GraphedCallable
@@ -59,6 +61,20 @@ class CapturePolicy:
     def done(self, key: Hashable, size: int) -> bool:
         """Whether (key, size) was captured, or its capture failed and it is served eagerly."""
         return (key, size) in self.graphed or (key, size) in self.failed
+
+    def report_rows(self) -> tuple[list[dict], list[dict]]:
+        """The runner report's rows: one per captured (key, size), by key and size, and one
+        per size served eagerly since its capture failed."""
+        rows = [
+            diagnostics.runner_row(key, self.modes[key], size, graphed.graph, self.capture_seconds[(key, size)],
+                                   (key, size) in self.warmed_up, self.first_use_seconds.get((key, size)))
+            for (key, size), graphed in sorted(self.graphed.items(), key=by_key_and_size)
+        ]
+        failed = [
+            {"key": "" if key is None else key, "mode": self.modes[key], "size": size, "reason": reason}
+            for (key, size), reason in sorted(self.failed.items(), key=by_key_and_size)
+        ]
+        return rows, failed
 
     def capture(self, key: Hashable, size: int, pool: torch.cuda.MemPool, measure: bool | None = None) -> GraphedCallable | None:
         """Capture (key, size) into ``pool``, measuring its executables' memory if ``measure``

@@ -21,7 +21,7 @@ from breakgraph.serving.policy import CapturePolicy
 from breakgraph.base.progress import progress_bar
 from breakgraph.serving.rank_group import RankGroup
 from breakgraph.graphs.sharing import Refusal
-from breakgraph.base.sizes import by_key_and_size, checked_keys, choose_size, known_keys, known_sizes, sizes_by_key
+from breakgraph.base.sizes import checked_keys, choose_size, known_keys, known_sizes, preferred_keys, sizes_by_key
 
 log = logging.getLogger("breakgraph.runner")
 
@@ -234,15 +234,7 @@ class GraphRunner:
         if self.key_fn is None:
             return [None]
         key_args, key_kwargs = self._policy.arguments(inputs, None)
-        keys = self.key_fn(*key_args, **key_kwargs)
-        keys = list(dict.fromkeys(keys)) if isinstance(keys, (list, tuple)) else [keys]
-        unknown = [key for key in keys if key not in self.modes]
-        if unknown or not keys:
-            raise ValueError(
-                f"key_fn returned {keys!r}, but this runner's keys are {self.keys}: return one or more of them, "
-                "most preferred first"
-            )
-        return keys
+        return preferred_keys(self.key_fn(*key_args, **key_kwargs), self.keys)
 
     # -- memory ----------------------------------------------------------------------------
     def memory(self) -> dict:
@@ -300,16 +292,7 @@ class GraphRunner:
             print_table (bool, optional): also print it as a table. Default: True.
         """
         require_bool("print_table", print_table)
-        policy = self._policy
-        rows = [
-            diagnostics.runner_row(key, self.modes[key], size, graphed.graph, policy.capture_seconds[(key, size)],
-                                   (key, size) in policy.warmed_up, policy.first_use_seconds.get((key, size)))
-            for (key, size), graphed in sorted(policy.graphed.items(), key=by_key_and_size)
-        ]
-        failed = [
-            {"key": "" if key is None else key, "mode": self.modes[key], "size": size, "reason": reason}
-            for (key, size), reason in sorted(policy.failed.items(), key=by_key_and_size)
-        ]
+        rows, failed = self._policy.report_rows()
         report = {"rows": rows, "failed": failed, "eager_reason": self.eager_reason} | self.memory()
         if print_table:
             diagnostics.print_runner_report(report, shared=self.options.share_executables)
