@@ -69,7 +69,7 @@ def preferred_keys(returned: object, keys: list) -> list:
     (once each); anything else is refused."""
     chosen = list(dict.fromkeys(returned)) if isinstance(returned, (list, tuple)) else [returned]
     if not chosen or any(key not in keys for key in chosen):
-        raise ValueError(f"key_fn returned {returned!r}, but this runner's keys are {keys}: return one or more of them, most preferred first")
+        raise ValueError(f"key_fn returned {chosen!r}, but this runner's keys are {keys}: return one or more of them, most preferred first")
     return chosen
 
 
