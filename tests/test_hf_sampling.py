@@ -218,7 +218,10 @@ def test_a_draw_among_candidates_follows_the_same_distribution(temperature, top_
 
 @pytest.mark.parametrize("top_k, top_p", [(1, 1.0), (50, 1.0), (50, 0.9), (hf.CANDIDATES, 0.95), (hf.CANDIDATES, 1.0)])
 def test_the_candidates_hold_what_transformers_keeps_where_top_k_keeps_no_more_than_they_are(top_k, top_p):
-    logits = torch.randn(64, 1000) * 3
+    """Logits without ties: transformers' top-k keeps every token tied at the k-th score, which
+    may be one more than the candidates. Each row is normal quantiles in a fresh random order."""
+    ranks = torch.stack([torch.randperm(1000) for _ in range(64)])
+    logits = torch.special.ndtri((ranks.double() + 0.5) / 1000).float() * 3
     rows = hf.Sampling(True, 0.8, top_k, top_p).rows(64, "cpu")
     scores, tokens = logits.topk(hf.CANDIDATES, dim=-1)
     kept = torch.full_like(logits, -math.inf).scatter(-1, tokens, warp(scores, **rows))
