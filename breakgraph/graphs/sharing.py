@@ -54,11 +54,10 @@ def share_executables(graphs: Sequence[BreakableCUDAGraph]) -> list[Refusal]:
     """
     if isinstance(graphs, BreakableCUDAGraph) or not isinstance(graphs, (list, tuple)):
         raise TypeError(f"share_executables takes a list of BreakableCUDAGraphs, got {type(graphs).__name__}")
+    seen: dict[int, int] = {}
     for position, graph in enumerate(graphs):
         if not isinstance(graph, BreakableCUDAGraph):
             raise TypeError(f"share_executables takes a list of BreakableCUDAGraphs; item {position} is a {type(graph).__name__}")
-    seen: dict[int, int] = {}
-    for position, graph in enumerate(graphs):
         first = seen.setdefault(id(graph), position)
         if first != position:
             raise ValueError(f"share_executables got the same graph twice (items {first} and {position}): list each graph once")

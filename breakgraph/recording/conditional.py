@@ -233,6 +233,14 @@ def _pairs(first: trees.Flat, second: trees.Flat, construct: str, first_name: st
         yield a, b
 
 
+_LEFT_OPEN = (
+    "The driver cannot end a body's capture after CUDA refused an operation in it without crashing (NVBUG "
+    "6805256), so it was left open on a stream breakgraph will not use again, and CUDA may crash or hang at the "
+    "next call: restart the process."
+)
+"""What a body's capture that CUDA refused an operation in became: the close of either error."""
+
+
 @contextlib.contextmanager
 def _body(capture, graph: bindings.Graph, construct: str, function: str):
     """Capture what runs in the block into ``graph``, a conditional node's body, on the body
@@ -252,9 +260,7 @@ def _body(capture, graph: bindings.Graph, construct: str, function: str):
         if _close_failed(stream, device, depth, refused_by_cuda=is_capture_violation(error)):
             raise UncapturableOpError(
                 f"{user_line(error)} made CUDA refuse the capture of {construct}'s {function} ({error}). Keep it "
-                f"out of the branch, or make the whole {construct} an eager break. The driver cannot end a body's "
-                "capture after such a refusal without crashing (NVBUG 6805256), so it was left open on a stream "
-                "breakgraph will not use again, and CUDA may crash or hang at the next call: restart the process."
+                f"out of the branch, or make the whole {construct} an eager break. {_LEFT_OPEN}"
             ) from error
         raise
     _end_body(capture, stream, device, depth, f"{construct}'s {function}")
@@ -271,9 +277,7 @@ def _end_body(capture, stream: torch.cuda.Stream, device: torch.device, depth: i
         raise UncapturableOpError(
             f"the capture of {what} was {status.name.lower()} by the time it returned: CUDA refused an operation "
             "in it and the error was caught inside it. Let the error through (or keep the operation out of the "
-            "branch), or make the whole call an eager break. The driver cannot end such a capture without "
-            "crashing (NVBUG 6805256), so it was left open on a stream breakgraph will not use again, and CUDA "
-            "may crash or hang at the next call: restart the process."
+            f"branch), or make the whole call an eager break. {_LEFT_OPEN}"
         )
     try:
         bindings.end_body_capture(stream)
