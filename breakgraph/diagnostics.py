@@ -143,7 +143,7 @@ def profile(graph: "BreakableCUDAGraph | HoldsGraph", iters: int = 20, warmup: i
     steps = plan.step_functions(stream)
     samples = [[] for _ in segments]
     events = [torch.cuda.Event(enable_timing=True) for _ in range(len(segments) + 1)]
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast("cuda", enabled=False):  # as replay runs its Python
         for iteration in range(warmup + iters):
             events[0].record(stream)
             for index, step in enumerate(steps):

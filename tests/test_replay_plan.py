@@ -147,6 +147,31 @@ def test_a_plan_of_launches_alone_leaves_autograd_as_it_is():
     assert log == [("graph 0", True), ("torch 1", True)]
 
 
+@pytest.mark.parametrize("caller_autocast", [True, False])
+def test_breaks_run_with_cuda_autocast_off_and_the_callers_autocast_comes_back_raising_or_not(monkeypatch, caller_autocast):
+    """torch on CPU cannot turn CUDA autocast on, so its two switches are stood in for."""
+    autocast = {"cuda": caller_autocast}
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda device: autocast[device])
+    monkeypatch.setattr(torch, "set_autocast_enabled", autocast.__setitem__)
+    seen = []
+
+    def fails():
+        raise ValueError("the break failed")
+
+    def record(index, returns=None):
+        def function():
+            seen.append((index, autocast["cuda"]))
+            return returns() if returns else None
+
+        return EagerSegment(index, f"break {index}", function, (), {}, make_writer(f"break {index}", None))
+
+    replay(ReplayPlan([record(0), record(1)]))
+    assert seen == [(0, False), (1, False)] and autocast["cuda"] is caller_autocast
+    with pytest.raises(ValueError, match="the break failed"):
+        replay(ReplayPlan([record(2, returns=fails)]))
+    assert seen[-1] == (2, False) and autocast["cuda"] is caller_autocast
+
+
 def test_hooks_run_with_autograd_off_around_the_segments():
     log = Log()
     plan = ReplayPlan([FakeGraphSegment(0, log)], before=lambda: log.step("before"), after=lambda: log.step("after"))

@@ -14,9 +14,12 @@ lines, each segment's as a function of its own (:meth:`ReplayPlan.step_functions
 how a segment replays is written in one place.
 
 Python (breaks, hooks, debug mode's checks) runs with autograd off, as
-capture-time results are written into captured buffers. The plan turns it off
-just before the first of them, so the launches ahead do not wait for it, and
-from there sets the caller's mode back as the replay ends, raising or not.
+capture-time results are written into captured buffers, and with CUDA
+autocast off, as a break replays the dtypes it was captured with whatever the
+caller's autocast (one captured under autocast turns its own back on). The
+plan turns both off just before the first of them, so the launches ahead do
+not wait for it, and from there sets the caller's modes back as the replay
+ends, raising or not.
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ class ReplayPlan:
 
     def step_functions(self, stream: bindings.StreamLike) -> list[debug_mode.Step]:
         """Each segment's replay on ``stream`` as a function of its own, written from the lines
-        the replay function runs, without the plan's hooks and autograd switch: debug mode
+        the replay function runs, without the plan's hooks and mode switches: debug mode
         checks each step, the profile times each."""
         handle = bindings.stream_handle(stream)
         namespace: dict[str, Any] = {}
@@ -84,7 +87,7 @@ class ReplayPlan:
         for index, segment in enumerate(self.segments):
             source = _Source(handle, namespace)
             source.write(index, segment)
-            bodies[f"step_{index}"] = source.body(autograd_off=False)
+            bodies[f"step_{index}"] = source.body(switch_modes=False)
         return _define(self, f"steps {id(self):#x} on stream {int(handle):#x}", bodies, namespace)
 
 
@@ -132,13 +135,28 @@ class _Source:
     def python(self, *lines: str) -> None:
         self.from_python.extend(lines)
 
-    def body(self, autograd_off: bool = True) -> list[str]:
-        """The lines; with ``autograd_off``, autograd is off from the first that runs Python to the end."""
-        if not autograd_off or not self.from_python:
+    def body(self, switch_modes: bool = True) -> list[str]:
+        """The lines; with ``switch_modes``, autograd and CUDA autocast are off from the first
+        that runs Python to the end, and the caller's modes come back after it."""
+        if not switch_modes or not self.from_python:
             return self.ahead + self.from_python
-        self.namespace.update(is_grad_enabled=torch.is_grad_enabled, set_grad_enabled=torch._C._set_grad_enabled)
-        turned_off = ["grad_enabled = is_grad_enabled()", "set_grad_enabled(False)", "try:", *_indent(self.from_python)]
-        return self.ahead + turned_off + ["finally:", "    set_grad_enabled(grad_enabled)"]
+        self.namespace.update(
+            is_grad_enabled=torch.is_grad_enabled,
+            set_grad_enabled=torch._C._set_grad_enabled,
+            is_autocast_enabled=torch.is_autocast_enabled,
+            set_autocast_enabled=torch.set_autocast_enabled,
+        )
+        turned_off = [
+            "grad_enabled = is_grad_enabled()",
+            "set_grad_enabled(False)",
+            "autocast = is_autocast_enabled('cuda')",
+            "if autocast:",
+            "    set_autocast_enabled('cuda', False)",
+            "try:",
+            *_indent(self.from_python),
+        ]
+        turned_back = ["finally:", "    set_grad_enabled(grad_enabled)", "    if autocast:", "        set_autocast_enabled('cuda', True)"]
+        return self.ahead + turned_off + turned_back
 
 
 def _indent(lines: list[str]) -> list[str]:

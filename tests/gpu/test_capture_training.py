@@ -152,6 +152,26 @@ def test_amp_autocast_inside_capture():
             assert_close(out, fn(fresh), 1e-2, 1e-2)
 
 
+def test_a_break_captured_without_autocast_replays_without_it_under_the_callers_autocast():
+    @bg.eager_on_graph
+    def project(h, weight):
+        return h @ weight  # float32 at capture; under the caller's autocast it would be bfloat16
+
+    x, weight = torch.randn(8, 64, device=DEV), torch.randn(64, 64, device=DEV)
+    graph = bg.BreakableCUDAGraph()
+    with torch.no_grad(), bg.BreakableCUDAGraphCapture(graph):
+        out = project(x + 1, weight) * 2
+    assert out.dtype == torch.float32
+    for _ in range(2):
+        fresh = torch.randn_like(x)
+        x.copy_(fresh)
+        poison_(out)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            graph.replay()
+            assert torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16
+        assert_close(out, ((fresh + 1) @ weight) * 2, 1e-4, 1e-4)
+
+
 def test_random_ops_error_mode_refuses_random_ops_clearly_and_leaves_nothing_behind():
     caller = torch.cuda.current_stream()
     graph = bg.BreakableCUDAGraph()
