@@ -126,15 +126,13 @@ class RankGroup:
             preference (sequence of int): the indices of the keys this rank's batch may go
                 to, most preferred first, padded with -1 to the runner's number of keys.
         """
-        preference = [int(index) for index in preference]
-        largest = self._largest([n, *preference, *(-index for index in preference)], "the batch size")
-        chosen, negated = largest[1 : 1 + len(preference)], largest[1 + len(preference) :]
-        if chosen != [-index for index in negated]:
+        (largest,), agreed = self._agree([n], preference, "the batch size")
+        if not agreed:
             raise ValueError(
                 "the ranks' key_fn chose different keys for one step: every rank must serve the same graph "
                 "variant (the same keys, in the same order), since its collectives pair with the other ranks'"
             )
-        return largest[0]
+        return largest
 
     def same(self, values: Sequence[int], what: str) -> None:
         """Raise on every rank alike unless every rank passed the same ``values``.
@@ -143,9 +141,7 @@ class RankGroup:
             values (sequence of int): this rank's.
             what (str): what they are, for the error.
         """
-        values = [int(value) for value in values]
-        largest = self._largest(values + [-value for value in values], what)
-        if largest[: len(values)] != [-value for value in largest[len(values):]]:
+        if not self._agree([], values, what)[1]:
             raise ValueError(f"the ranks disagree on {what}: every rank must make the same call, in the same order")
 
     def broadcast(self, tensor: torch.Tensor, source: int = 0) -> torch.Tensor:
@@ -160,6 +156,15 @@ class RankGroup:
         except RuntimeError as error:
             raise peers_lost(self.timeout) from error
         return tensor
+
+    def _agree(self, largest: Sequence[int], same: Sequence[int], what: str) -> tuple[list[int], bool]:
+        """The largest of each of ``largest`` over the ranks, and whether every rank passed the
+        same ``same``, in one exchange: a value's largest and its negation's largest are
+        opposites only where every rank passed the same value."""
+        same = [int(value) for value in same]
+        table = self._largest([*largest, *same, *(-value for value in same)], what)
+        highest, lowest = table[len(largest) : len(largest) + len(same)], table[len(largest) + len(same) :]
+        return table[: len(largest)], highest == [-value for value in lowest]
 
     def _largest(self, values: list[int], what: str) -> list[int]:
         table = torch.tensor(values, dtype=torch.int64)
