@@ -52,8 +52,9 @@ class CaptureInfo:
 
 def begin_capture(stream: StreamLike, mode: CaptureMode | str = CaptureMode.GLOBAL) -> None:
     """Start capturing ``stream`` into a new graph (``cudaStreamBeginCapture``)."""
+    # ``_value_``, the member's plain attribute: ``.value`` is a descriptor, slower, and this runs at every break.
     check(
-        cudart.cudaStreamBeginCapture(stream_handle(stream), CaptureMode.parse(mode).value),
+        cudart.cudaStreamBeginCapture(stream_handle(stream), CaptureMode.parse(mode)._value_),
         "cudaStreamBeginCapture",
     )
 

@@ -50,6 +50,8 @@ def check(result, call: str = ""):
     if err != _SUCCESS:
         clear_last_error()
         raise CudaError(err, call)
+    if len(result) == 2:  # one value, the common case, without a call (a capture checks a few a break)
+        return result[1]
     return values_of(result)
 
 

@@ -75,8 +75,8 @@ class Graph(_Owned):
     _destroy = staticmethod(cudart.cudaGraphDestroy)
 
     def __init__(self, handle: cudart.cudaGraph_t, owned: bool = True):
-        super().__init__(handle, owned)
-        self._borrowed = not owned
+        # _Owned's fields set here rather than through super(): a capture makes one a break.
+        self.handle, self._owned, self._borrowed = handle, owned, not owned
 
     @classmethod
     def borrowed(cls, handle: int) -> "Graph":

@@ -71,6 +71,8 @@ class ForkJoinTracker:
         """Fork again the streams that were open when the previous segment ended."""
         self._capture_id = None
         self._segment_number += 1
+        if not self._carry:  # the common case: no side stream was open
+            return
         carry, self._carry = self._carry, []
         for stream in carry:
             self._fork(stream, self.capture_stream)
