@@ -9,7 +9,7 @@ import torch
 
 import breakgraph as bg
 from breakgraph.base.runtime import cuda_available
-from breakgraph.graphs.graphed import _device_of
+from breakgraph.graphs.graphed import _device_of, _tensors_to_refill
 
 no_gpu = pytest.mark.skipif(cuda_available(), reason="checks the no-GPU fallback")
 
@@ -121,7 +121,8 @@ def test_the_capture_device_is_found_in_dataclass_and_object_arguments_too():
         x: object
 
     on_the_second_gpu = mock.MagicMock(spec=torch.Tensor, is_cuda=True, device=torch.device("cuda", 1))
-    assert _device_of((Batch(on_the_second_gpu),), {}) == torch.device("cuda", 1)  # not the current device
+    tensors = _tensors_to_refill(lambda batch: None, (Batch(on_the_second_gpu),), {})
+    assert _device_of(tensors) == torch.device("cuda", 1)  # not the current device
 
 
 def test_an_option_name_the_function_declares_too_is_refused_as_ambiguous():

@@ -76,7 +76,7 @@ class GraphedCallable:
         warmup = parse_warmup(warmup, allow_auto=False)
         if pool is not None:
             require_pool(pool)
-        _require_a_tensor_to_refill(fn, args, kwargs)
+        tensors = _tensors_to_refill(fn, args, kwargs)
         self.fn, self.args, self.kwargs = fn, args, kwargs
         self.debug = runtime.debug_requested(debug)
         self.options = options or CaptureOptions()
@@ -93,7 +93,7 @@ class GraphedCallable:
             self.output = fn(*args, **kwargs)
         else:
             self.graph = BreakableCUDAGraph(pool=pool, debug=self.debug)
-            self._capture(warmup)
+            self._capture(warmup, _device_of(tensors))
         try:
             flat = check_output(function_name(fn), self.output)
         except BaseException:
@@ -104,9 +104,8 @@ class GraphedCallable:
             # Tensors only, as a graph's replay refreshes them: values stay the first call's.
             self._write_eager_result = make_writer(function_name(fn), self.output, flat, replace_values=False)
 
-    def _capture(self, warmup: int) -> None:
+    def _capture(self, warmup: int, device: torch.device) -> None:
         fn, args, kwargs = self.fn, self.args, self.kwargs
-        device = _device_of(args, kwargs)
         with runtime.claim_capture_stream(device) as stream:
             # Lazy library initialisation must not happen inside the capture: warm up what it records.
             with context.full_graph_warmup() if self.options.breaks == "inline" else contextlib.nullcontext():
@@ -158,27 +157,29 @@ class GraphedCallable:
         return self.replay()
 
 
-def _require_a_tensor_to_refill(fn: Callable, args: tuple, kwargs: dict) -> None:
-    """Refuse static arguments none of which holds a tensor: a replay re-runs the capture on
-    the same arguments, so nothing could be refilled between replays."""
+def _tensors_to_refill(fn: Callable, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors in the static arguments (in dataclasses and objects too). Refuses arguments
+    none of which holds a tensor: a replay re-runs the capture on the same arguments, so
+    nothing could be refilled between replays."""
     if not args and not kwargs:  # fn reads its tensors from a closure or a module: refilled there
-        return
+        return []
     leaves, _spec = trees.flatten((args, kwargs), objects=True)
-    if not any(isinstance(leaf, torch.Tensor) for leaf in leaves):
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    if not tensors:
         raise TypeError(
             f"none of {function_name(fn)}'s static arguments holds a tensor ({', '.join(type(leaf).__name__ for leaf in leaves)}), "
             "so there is nothing to refill between replays: every replay would return the capture's result. Pass "
             "the tensors it reads as static arguments and copy new values into them in place; bind other "
             "arguments first with functools.partial(fn, ...)"
         )
+    return tensors
 
 
-def _device_of(args: tuple, kwargs: dict) -> torch.device:
-    """The device of the first CUDA tensor argument (in dataclasses and objects too), else the current device."""
-    leaves, _spec = trees.flatten((args, kwargs), objects=True)
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
-            return leaf.device
+def _device_of(tensors: list[torch.Tensor]) -> torch.device:
+    """The device of the first CUDA tensor, else the current device."""
+    for tensor in tensors:
+        if tensor.is_cuda:
+            return tensor.device
     return torch.device("cuda", torch.cuda.current_device())
 
 
@@ -193,6 +194,8 @@ def split_keywords(fn: Callable, keywords: dict) -> tuple[dict, dict]:
     ``fn`` takes ``**kwargs``: passed on, it would be swallowed silently.
     So is an option's name that ``fn`` declares: it could be meant for either.
     """
+    if not keywords:
+        return {}, {}
     known = CaptureOptions.names()
     capture = {name: value for name, value in keywords.items() if name in known}
     static = {name: value for name, value in keywords.items() if name not in known}
