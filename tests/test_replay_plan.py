@@ -148,28 +148,34 @@ def test_a_plan_of_launches_alone_leaves_autograd_as_it_is():
 
 
 @pytest.mark.parametrize("caller_autocast", [True, False])
-def test_breaks_run_with_cuda_autocast_off_and_the_callers_autocast_comes_back_raising_or_not(monkeypatch, caller_autocast):
-    """torch on CPU cannot turn CUDA autocast on, so its two switches are stood in for."""
-    autocast = {"cuda": caller_autocast}
-    monkeypatch.setattr(torch, "is_autocast_enabled", lambda device: autocast[device])
-    monkeypatch.setattr(torch, "set_autocast_enabled", autocast.__setitem__)
+def test_breaks_run_with_cuda_autocast_off_and_the_callers_autocast_comes_back_raising_or_not(caller_autocast):
+    """torch on CPU switches CUDA autocast's state (not its context manager): the plan's own calls run."""
     seen = []
 
     def fails():
         raise ValueError("the break failed")
 
+    def leaves_autocast_on():
+        torch.set_autocast_enabled("cuda", True)  # a break that forgets to turn it off again
+
     def record(index, returns=None):
         def function():
-            seen.append((index, autocast["cuda"]))
+            seen.append((index, torch.is_autocast_enabled("cuda")))
             return returns() if returns else None
 
         return EagerSegment(index, f"break {index}", function, (), {}, make_writer(f"break {index}", None))
 
-    replay(ReplayPlan([record(0), record(1)]))
-    assert seen == [(0, False), (1, False)] and autocast["cuda"] is caller_autocast
-    with pytest.raises(ValueError, match="the break failed"):
-        replay(ReplayPlan([record(2, returns=fails)]))
-    assert seen[-1] == (2, False) and autocast["cuda"] is caller_autocast
+    torch.set_autocast_enabled("cuda", caller_autocast)
+    try:
+        replay(ReplayPlan([record(0), record(1)]))
+        assert seen == [(0, False), (1, False)] and torch.is_autocast_enabled("cuda") is caller_autocast
+        with pytest.raises(ValueError, match="the break failed"):
+            replay(ReplayPlan([record(2, returns=fails)]))
+        assert seen[-1] == (2, False) and torch.is_autocast_enabled("cuda") is caller_autocast
+        replay(ReplayPlan([record(3, returns=leaves_autocast_on)]))
+        assert torch.is_autocast_enabled("cuda") is caller_autocast
+    finally:
+        torch.set_autocast_enabled("cuda", False)
 
 
 def test_hooks_run_with_autograd_off_around_the_segments():

@@ -155,7 +155,7 @@ class _Source:
             "try:",
             *_indent(self.from_python),
         ]
-        turned_back = ["finally:", "    set_grad_enabled(grad_enabled)", "    if autocast:", "        set_autocast_enabled('cuda', True)"]
+        turned_back = ["finally:", "    set_grad_enabled(grad_enabled)", "    set_autocast_enabled('cuda', autocast)"]
         return self.ahead + turned_off + turned_back
 
 
