@@ -38,6 +38,7 @@ class _Owned:
     segment, and a finalizer costs several microseconds to register. One that
     is still alive at interpreter exit may be left to the process's end, which
     frees it with the CUDA context. A handle has one owner: it is not copied.
+    :class:`Graph` sets these fields itself, without ``super()``: a field added here goes there too.
     """
 
     __slots__ = ("handle", "_owned", "__weakref__")

@@ -176,6 +176,7 @@ class BreakableCUDAGraph:
     def set_replay_hooks(self, before: Callable[[], Any] | None = None, after: Callable[[], Any] | None = None) -> None:
         """Call hooks around every replay (an engine syncing its weight offloader, or timing
         steps). A hook that is not set costs replay nothing: it is not in the replay plan.
+        Hooks run as breaks do, with autograd and CUDA autocast off.
 
         Arguments:
             before (callable, optional): called ahead of every replay; None removes it.

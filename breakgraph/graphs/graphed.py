@@ -158,9 +158,9 @@ class GraphedCallable:
 
 
 def _tensors_to_refill(fn: Callable, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensors in the static arguments (in dataclasses and objects too). Refuses arguments
-    none of which holds a tensor: a replay re-runs the capture on the same arguments, so
-    nothing could be refilled between replays."""
+    """The tensors in the static arguments (in dataclasses and objects too); none where there
+    are no static arguments. Refuses arguments none of which holds a tensor: a replay re-runs
+    the capture on the same arguments, so nothing could be refilled between replays."""
     if not args and not kwargs:  # fn reads its tensors from a closure or a module: refilled there
         return []
     leaves, _spec = trees.flatten((args, kwargs), objects=True)

@@ -161,7 +161,7 @@ class RankGroup:
         """The largest of each of ``largest`` over the ranks, and whether every rank passed the
         same ``same``, in one exchange: a value's largest and its negation's largest are
         opposites only where every rank passed the same value."""
-        same = [int(value) for value in same]
+        largest, same = [int(value) for value in largest], [int(value) for value in same]
         table = self._largest([*largest, *same, *(-value for value in same)], what)
         highest, lowest = table[len(largest) : len(largest) + len(same)], table[len(largest) + len(same) :]
         return table[: len(largest)], highest == [-value for value in lowest]
