@@ -272,10 +272,11 @@ def _end_body(capture, stream: torch.cuda.Stream, device: torch.device, depth: i
     after a refusal that reached :func:`_body`; a failed end fails the capture around it."""
     status = bindings.capture_status(stream)
     if status is not bindings.CaptureStatus.ACTIVE:
-        capture.body_failed(f"the capture of {what} was {status.name.lower()}")
+        ended = f"the capture of {what} was {status.name.lower()}"
+        capture.body_failed(ended)
         runtime.abandon_body_stream(device, depth)
         raise UncapturableOpError(
-            f"the capture of {what} was {status.name.lower()} by the time it returned: CUDA refused an operation "
+            f"{ended} by the time it returned: CUDA refused an operation "
             "in it and the error was caught inside it. Let the error through (or keep the operation out of the "
             f"branch), or make the whole call an eager break. {_LEFT_OPEN}"
         )
