@@ -22,6 +22,7 @@ from .capture import (
     end_capture,
     exchange_capture_mode,
 )
+from .events import Event, wait_event
 from .graph import Graph, GraphExec, GraphLaunch, GraphUpdateRefused, LaunchStatus, device_count, launch_function, probe_devices
 from .memory import free_device_memory, graph_allocation_bytes, trim_graph_memory
 from .conditional import (
@@ -41,6 +42,7 @@ __all__ = [
     "ConditionalKind",
     "ConditionalNode",
     "CudaError",
+    "Event",
     "Graph",
     "GraphExec",
     "GraphLaunch",
@@ -71,4 +73,5 @@ __all__ = [
     "stream_handle",
     "synchronize",
     "trim_graph_memory",
+    "wait_event",
 ]
