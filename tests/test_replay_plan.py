@@ -362,3 +362,33 @@ def test_a_new_kind_of_segment_is_one_class(monkeypatch, tmp_path):
     assert log == [("graph 0 dropped", True)]
     graph.reset()
     assert graph.segments == ()
+
+
+class RecordingOrdering:
+    """A break's ordering whose steps record themselves."""
+
+    has_followers = has_signals = True
+
+    def __init__(self, log):
+        self.log = log
+
+    def before(self, stream):
+        self.log.step(f"follow {int(stream):#x}")
+
+    def after(self):
+        self.log.step("signal")
+
+
+def test_a_break_with_crossing_events_orders_its_streams_around_its_call():
+    """The streams that follow the replay stream do so before the break's call, on the stream
+    the replay runs on; the events later graphs wait on are recorded after it; in debug mode too."""
+    log = Log()
+    segment = eager_segment(1, log)
+    segment.ordering = RecordingOrdering(log)
+    plan = ReplayPlan((FakeGraphSegment(0, log), segment, FakeGraphSegment(2, log)))
+    replay(plan, stream=0x99)
+    assert [name for name, _grad in log] == ["graph 0", "follow 0x99", "break 1", "signal", "graph 2"]
+    del log[:]
+    for step in plan.step_functions(bindings.stream_handle(0x77)):
+        step()
+    assert [name for name, _grad in log] == ["graph 0", "follow 0x77", "break 1", "signal", "graph 2"]

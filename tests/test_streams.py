@@ -12,7 +12,14 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from breakgraph_bindings import CaptureInfo, CaptureStatus
+from breakgraph.recording import break_ordering
 from breakgraph.recording.streams import ForkJoinTracker
+
+
+@pytest.fixture(autouse=True)
+def events_without_a_gpu(monkeypatch):
+    """The events a break's ordering makes, without CUDA."""
+    monkeypatch.setattr(break_ordering.bindings, "Event", FakeEvent)
 
 
 class FakeStream:
@@ -24,7 +31,7 @@ class FakeStream:
 
 
 class FakeEvent:
-    pass
+    from_break = False
 
 
 class SimulatedCapture:
@@ -84,9 +91,12 @@ class TrackerMachine(RuleBasedStateMachine):
         self.sides = [FakeStream(0x200 + i) for i in range(3)]
         self.sim = SimulatedCapture(self.main)
         self.joins = []
-        self.tracker = ForkJoinTracker(self.main, self.sim.info, join=self._join, fork=self._fork)
+        self.tracker = ForkJoinTracker(
+            self.main, self.sim.info, join=self._join, fork=self._fork, record=self._record, wait_external=self._wait_external
+        )
         self.tracker.segment_begun()
         self.events = {}
+        self.orderings = []  # what the breaks' segments keep for replay
 
     def _join(self, capture_stream, side):
         assert capture_stream is self.main
@@ -95,6 +105,17 @@ class TrackerMachine(RuleBasedStateMachine):
 
     def _fork(self, side, capture_stream):
         self.sim.wait_stream(side, capture_stream)
+
+    def _record(self, event, stream):  # in a break: the capture stream is not capturing
+        assert stream is self.main and not self.sim.capturing(stream)
+        event.deps, event.capturing, event.from_break = frozenset(), False, True
+
+    def _wait_external(self, stream, event):  # an event-wait node on a capturing stream
+        assert self.sim.capturing(stream) and isinstance(event, FakeEvent)
+        assert any(event is signal for ordering in self.orderings for _, signal in ordering._signals.values()), (
+            "a graph waits on an event no break's replay records"
+        )
+        self.sim.launch(stream)
 
     streams = st.integers(0, 3)
 
@@ -127,7 +148,7 @@ class TrackerMachine(RuleBasedStateMachine):
         stream = self.stream(i)
         event = self.events.setdefault(name, FakeEvent())  # re-recording replaces what it stood for
         event.deps = self.sim.frontier.get(stream.cuda_stream, frozenset())
-        event.capturing = self.sim.capturing(stream)
+        event.capturing, event.from_break = self.sim.capturing(stream), False
         self.tracker.event_recorded(event, stream)
 
     @precondition(lambda self: self.events)
@@ -137,19 +158,38 @@ class TrackerMachine(RuleBasedStateMachine):
         if event is None:
             return
         stream = self.stream(i)
-        if self.tracker.recorded_in_earlier_segment(event):
-            self.tracker.waited_on_earlier_segment(stream)
+        if self.tracker.waited_in_segment(event, stream):
             return
+        # CUDA refuses a capturing stream's wait on an event a break recorded
+        assert not (event.from_break and self.sim.capturing(stream)), "a wait on a break's event reached CUDA"
         self.sim.wait(stream, event.deps, event.capturing)
         self.tracker.event_waited(event, stream)
 
-    @rule()
-    def segment_boundary(self):
+    @rule(in_break=st.lists(st.tuples(st.booleans(), streams, st.integers(0, 2)), max_size=4))
+    def segment_boundary(self, in_break):
+        """A segment ends, a break records and waits on events (eagerly), the next begins."""
         self.joins.clear()
         self.tracker.segment_ending()
         assert not self.sim.unjoined(), "a forked stream was left unjoined at the segment end"
         assert len(self.joins) == len(set(self.joins)), f"duplicate joins {self.joins}"
         self.sim.start()
+        self.sim.frontier.clear()  # between segments nothing captures
+        self.tracker.break_begun()
+        for records, i, name in in_break:
+            stream = self.stream(i)
+            if records:
+                event = self.events.setdefault(name, FakeEvent())
+                event.deps, event.capturing, event.from_break = frozenset(), False, True
+                self.tracker.event_recorded_in_break(event, stream)
+            elif name in self.events:
+                event = self.events[name]
+                handled = self.tracker.waited_in_break(event, stream)
+                # CUDA refuses an eager wait on an event a capture recorded
+                assert handled or not event.capturing, "a break's wait on a captured event reached CUDA"
+        ordering = self.tracker.break_ended()
+        if ordering is not None:
+            self.orderings.append(ordering)
+        self.sim.frontier[self.main.cuda_stream] = frozenset()
         self.tracker.segment_begun()
 
     @invariant()
@@ -228,3 +268,41 @@ def test_a_hook_entered_before_the_last_capture_ends_still_finds_torchs_method()
     with pytest.raises(Exception) as raised:
         hooked(object(), object())  # outside a capture: reaches torch's method, which refuses these
     assert not isinstance(raised.value, KeyError)
+
+
+def test_a_break_orders_the_events_that_cross_its_boundaries():
+    """A segment's event waited on by a side stream in the break: the side stream follows the
+    replay stream before the break. A break's event on a side stream waited on in the next
+    segment: an event-wait node on the event the break's replay records there. A break whose
+    events cross nothing orders nothing."""
+    main, side = FakeStream(1), FakeStream(2)
+    sim = SimulatedCapture(main)
+    forks, records, waits = [], [], []
+    tracker = ForkJoinTracker(
+        main,
+        sim.info,
+        join=lambda c, s: None,
+        fork=lambda s, c: forks.append(s),
+        record=lambda e, s: records.append((e, s)),
+        wait_external=lambda s, e: waits.append((s, e)),
+    )
+    tracker.segment_begun()
+    ready = FakeEvent()
+    tracker.event_recorded(ready, main)
+    tracker.segment_ending()
+    sim.start()
+    tracker.break_begun()
+    done = FakeEvent()
+    tracker.event_recorded_in_break(done, side)
+    assert tracker.waited_in_break(ready, side)
+    ordering = tracker.break_ended()
+    assert forks == [side] and records == [(ready, main)]  # the side stream follows; the event is usable again
+    assert ordering.has_followers and not ordering.has_signals
+    tracker.segment_begun()
+    assert tracker.waited_in_segment(done, main)
+    assert waits == [(main, ordering.signal_on(side.cuda_stream))] and ordering.has_signals
+    assert tracker.waited_in_segment(ready, main) and len(waits) == 1  # now a break's event on the capture stream
+    tracker.segment_ending()
+    sim.start()
+    tracker.break_begun()
+    assert tracker.break_ended() is None

@@ -25,6 +25,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from breakgraph.base import trees
+from breakgraph.recording.break_ordering import BreakOrdering
 from breakgraph.recording.aliasing import alias_leaves, alias_result, alias_tensor, is_plain_tensor
 from breakgraph.recording.dispatch import UncapturableOpError, is_capture_violation
 from breakgraph.recording.outputs import check_output
@@ -42,7 +43,8 @@ class EagerSegment(Segment):
     copies each replay's result into it, where later segments read it.
     ``argument_addresses`` (path, weak references to the tensor and its
     storage, data pointer, whether the graph's pool holds it) lets debug mode
-    check that the caller's tensors did not move or die.
+    check that the caller's tensors did not move or die. ``ordering``: what it orders
+    at replay for events that crossed its boundaries (None: none did).
     """
 
     kind: ClassVar[str] = "eager"
@@ -51,8 +53,16 @@ class EagerSegment(Segment):
     args: tuple
     kwargs: dict
     write: Writer
+    ordering: BreakOrdering | None = None
 
     def emit(self, source: ReplaySource) -> None:
+        if self.ordering is not None and self.ordering.has_followers:
+            source.python(f"{source.bind('follow', self.ordering.before)}({source.bind('stream', source.stream)})")
+        self._emit_call(source)
+        if self.ordering is not None and self.ordering.has_signals:
+            source.python(f"{source.bind('signal', self.ordering.after)}()")
+
+    def _emit_call(self, source: ReplaySource) -> None:
         arguments = f"*{source.bind('args', self.args)}"
         if self.kwargs:
             arguments += f", **{source.bind('kwargs', self.kwargs)}"
@@ -140,13 +150,21 @@ def run_inline(name: str, function: Callable, inline: Callable | bool | None, ar
 
 
 def record_break(
-    index: int, name: str, function: Callable, args: tuple, kwargs: dict, result, pool_usage: PoolUsage | None
+    index: int,
+    name: str,
+    function: Callable,
+    args: tuple,
+    kwargs: dict,
+    result,
+    pool_usage: PoolUsage | None,
+    ordering: BreakOrdering | None = None,
 ) -> EagerSegment:
     """The eager segment that replays ``function(*args, **kwargs)``, which returned ``result`` at
     capture: arguments kept as non-owning aliases where they are plain tensors, the result
     where it is only CUDA tensors, and the writer that puts each replay's result where later
     segments read it. With ``pool_usage`` (debug mode: the graph's pool as the break began),
-    the arguments' addresses are recorded for the checks at replay."""
+    the arguments' addresses are recorded for the checks at replay. ``ordering``: what the
+    break's replay orders for events that crossed its boundaries."""
     arg_leaves, replay_args, replay_kwargs = _aliased_arguments(args, kwargs)
     if result is None:
         kept, write = None, make_writer(name, None, None)
@@ -166,6 +184,7 @@ def record_break(
         replay_args,
         replay_kwargs,
         write,
+        ordering,
         result=kept,
         argument_addresses=argument_addresses(function, args, kwargs, pool_usage) if pool_usage is not None else (),
     )

@@ -161,15 +161,19 @@ class Recorder:
         if self.barrier is not None and self.peers is None:
             self.barrier()
         run = stub or function
+        self.tracker.break_begun()
         try:
-            if self.barrier is None or (self.peers is not None and self.peers.is_quiet(function)):
-                result, before = run_eagerly(name, run, args, kwargs, self._checked_pool)
-            else:  # the barrier before each collective the break issues
-                with BarrierBeforeCollectives(self.barrier) as watch:
+            try:
+                if self.barrier is None or (self.peers is not None and self.peers.is_quiet(function)):
                     result, before = run_eagerly(name, run, args, kwargs, self._checked_pool)
-                if self.peers is not None and not watch.collectives:
-                    self.peers.found_quiet(function)  # a runner's peers learn which breaks issue none
-            self.segments.append(record_break(len(self.segments), name, function, args, kwargs, result, before))
+                else:  # the barrier before each collective the break issues
+                    with BarrierBeforeCollectives(self.barrier) as watch:
+                        result, before = run_eagerly(name, run, args, kwargs, self._checked_pool)
+                    if self.peers is not None and not watch.collectives:
+                        self.peers.found_quiet(function)  # a runner's peers learn which breaks issue none
+            finally:
+                ordering = self.tracker.break_ended()
+            self.segments.append(record_break(len(self.segments), name, function, args, kwargs, result, before, ordering))
         finally:  # also when the break raised: the capture stays whole for a caller that goes on
             self._previous = call
             self.begin_segment()

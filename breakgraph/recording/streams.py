@@ -8,6 +8,12 @@ Before a segment ends the tracker joins every forked stream that has work
 the capture stream does not wait on yet, and after the next segment begins
 it forks those streams again, so model code keeps using them across a break.
 
+An event recorded in a break and waited on in a later segment, or recorded
+in a segment and waited on in a later break, crosses a segment boundary, which
+CUDA refuses: the tracker hands such waits to the break's
+:class:`~breakgraph.recording.break_ordering.BreakOrdering`, which keeps their
+order at replay.
+
 The hooks are installed when the first capture starts and removed when the
 last one ends (reference-counted under a lock). Outside a capture of the
 calling thread they call straight through to torch's methods.
@@ -16,12 +22,14 @@ calling thread they call straight through to torch's methods.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Protocol
+from typing import Callable, NamedTuple, Protocol
 
 import torch
 
+import breakgraph_bindings as bindings
 from breakgraph_bindings import CaptureInfo, CaptureStatus
 from breakgraph.base import context
+from breakgraph.recording.break_ordering import BreakOrdering
 
 
 class CaptureInfoProvider(Protocol):
@@ -36,13 +44,30 @@ def _stream_id(stream: torch.cuda.Stream) -> int:
     return stream.cuda_stream
 
 
+class _SegmentRecord(NamedTuple):
+    """An event recorded into segment number ``segment``, on ``stream``, as of ``info``."""
+
+    stream: torch.cuda.Stream
+    segment: int
+    info: CaptureInfo
+
+
+class _BreakRecord(NamedTuple):
+    """An event recorded on ``stream`` while a break ran, whose replay keeps ``ordering``."""
+
+    stream: torch.cuda.Stream
+    ordering: BreakOrdering
+
+
 class ForkJoinTracker:
     """Which side streams of one capture are forked and not yet joined.
 
     ``capture_info`` answers what a stream is capturing (the bindings'
     ``capture_info`` on a GPU, a fake in the state-machine tests); ``join`` and
     ``fork`` make the capture stream wait on a side stream and the reverse,
-    bypassing the hooks.
+    bypassing the hooks; ``record`` records an event, bypassing them too, and
+    ``wait_external`` makes a capturing stream wait on an event recorded
+    outside the capture (an event-wait node).
     """
 
     def __init__(
@@ -51,20 +76,26 @@ class ForkJoinTracker:
         capture_info: CaptureInfoProvider,
         join: Callable[[torch.cuda.Stream, torch.cuda.Stream], None],
         fork: Callable[[torch.cuda.Stream, torch.cuda.Stream], None],
+        record: Callable[[torch.cuda.Event, torch.cuda.Stream], None] | None = None,
+        wait_external: Callable[[torch.cuda.Stream, bindings.Event], None] | None = None,
     ):
         self.capture_stream = capture_stream
         self._capture_info = capture_info
         self._join = join
         self._fork = fork
+        self._record = record or original_record
+        self._wait_external = wait_external or _wait_external
         self._capture_id: int | None = None  # asked of CUDA when a hook first needs it
         self._segment_number = 0
         self._streams: dict[int, torch.cuda.Stream] = {}  # every side stream seen this segment
         self._open: set[int] = set()  # forked, with work not yet joined
         self._joined_at: dict[int, tuple[int, ...]] = {}  # dependencies when last joined
         self._carry: list[torch.cuda.Stream] = []  # open at the last segment end: fork again
-        # What each event recorded into a segment stands for (None: re-recorded outside the
-        # capture since); the events are held to the capture's end (:meth:`capture_ended`).
-        self._recorded_on: dict[torch.cuda.Event, tuple[torch.cuda.Stream, int, CaptureInfo] | None] = {}
+        # What each event recorded into a segment or a break stands for (None: re-recorded
+        # outside the capture since); the events are held to the capture's end (:meth:`capture_ended`).
+        self._recorded_on: dict[torch.cuda.Event, _SegmentRecord | _BreakRecord | None] = {}
+        self._in_break = False  # while a break's function runs
+        self._break: BreakOrdering | None = None  # that break's, made once an event crosses it
 
     # -- segment boundaries ---------------------------------------------------
     def segment_begun(self) -> None:
@@ -133,7 +164,7 @@ class ForkJoinTracker:
     def event_recorded(self, event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
         info = self._capture_info(stream)
         if info.status is CaptureStatus.ACTIVE and info.capture_id == self.capture_id:
-            self._recorded_on[event] = (stream, self._segment_number, info)
+            self._recorded_on[event] = _SegmentRecord(stream, self._segment_number, info)
         elif event in self._recorded_on:
             self._recorded_on[event] = None
 
@@ -144,25 +175,77 @@ class ForkJoinTracker:
         users destroy an event recorded in a capture only once no capture of its stream runs."""
         self._recorded_on.clear()
 
-    def recorded_in_earlier_segment(self, event: torch.cuda.Event) -> bool:
-        """The event belongs to a capture that has ended: CUDA cannot wait on it
-        inside this one, and by replay order its work is already done."""
-        entry = self._recorded_on.get(event)
-        return entry is not None and entry[1] != self._segment_number
+    def waited_in_segment(self, event: torch.cuda.Event, stream: torch.cuda.Stream) -> bool:
+        """``stream`` waits on ``event`` inside the open segment. True where the event
+        stands for work outside this segment's capture, and the wait is made here:
 
-    def waited_on_earlier_segment(self, stream: torch.cuda.Stream) -> None:
-        """Stand-in for waiting on an event of an earlier segment: that work has
-        finished before this segment starts, so ``stream`` only needs to follow
-        the capture stream."""
+        - recorded in an earlier segment, or in a break on the capture stream: by replay
+          order that work is done before this segment starts, so ``stream`` only
+          follows the capture stream;
+        - recorded in a break on another stream: ``stream`` (forked into the capture if it
+          was not in it) waits on the event the break's replay records on that stream,
+          an event-wait node.
+        """
+        entry = self._recorded_on.get(event)
+        if entry is None or (isinstance(entry, _SegmentRecord) and entry.segment == self._segment_number):
+            return False
+        if isinstance(entry, _BreakRecord) and _stream_id(entry.stream) != _stream_id(self.capture_stream):
+            info = self._capture_info(stream)
+            if info.status is not CaptureStatus.ACTIVE or info.capture_id != self.capture_id:
+                self._follow_capture_stream(stream)
+            self._wait_external(stream, entry.ordering.signal_on(_stream_id(entry.stream)))
+        else:
+            self._follow_capture_stream(stream)
+        return True
+
+    def _follow_capture_stream(self, stream: torch.cuda.Stream) -> None:
+        """``stream`` waits on the capture stream's work so far: a fork, where it is another."""
         if _stream_id(stream) != _stream_id(self.capture_stream):
             self._fork(stream, self.capture_stream)
             self._note_fork(stream)
 
+    # -- breaks -----------------------------------------------------------------
+    def break_begun(self) -> None:
+        """A break's function runs now (eagerly): events it records and waits on may cross."""
+        self._in_break, self._break = True, None
+
+    def break_ended(self) -> BreakOrdering | None:
+        """What the break's replay orders across its boundaries, filled in as later segments
+        wait on its events; None where no event crossed it."""
+        ordering, self._in_break, self._break = self._break, False, None
+        return ordering
+
+    def _ordering(self) -> BreakOrdering:
+        if self._break is None:
+            self._break = BreakOrdering()
+        return self._break
+
+    def event_recorded_in_break(self, event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
+        if self._in_break:
+            self._recorded_on[event] = _BreakRecord(stream, self._ordering())
+        elif event in self._recorded_on:  # between segments, outside a break (a barrier's)
+            self._recorded_on[event] = None
+
+    def waited_in_break(self, event: torch.cuda.Event, stream: torch.cuda.Stream) -> bool:
+        """``stream`` waits on ``event`` in a break. True where the event was recorded in a
+        segment, and the wait is made here: ``stream`` follows the capture stream, at capture
+        and, before the break, at every replay. The event is recorded again on the capture
+        stream, outside the capture: one recorded in a capture cannot be waited on outside
+        it, nor at replay, by the break's own code."""
+        if not self._in_break or not isinstance(self._recorded_on.get(event), _SegmentRecord):
+            return False
+        ordering = self._ordering()
+        if _stream_id(stream) != _stream_id(self.capture_stream):
+            self._fork(stream, self.capture_stream)
+            ordering.follow(_stream_id(stream))
+        self._record(event, self.capture_stream)
+        self._recorded_on[event] = _BreakRecord(self.capture_stream, ordering)
+        return True
+
     def event_waited(self, event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
         entry = self._recorded_on.get(event)
-        if entry is not None:
-            source, _segment, info = entry
-            self.stream_waited(stream, source, info)
+        if isinstance(entry, _SegmentRecord):
+            self.stream_waited(stream, entry.stream, entry.info)
 
     def _note_fork(self, stream: torch.cuda.Stream) -> None:
         sid = _stream_id(stream)
@@ -183,32 +266,34 @@ _originals: dict[tuple[type, str], Callable] = {}
 _quiet = threading.local()  # set while a hooked wait_stream runs its event calls
 
 
-def _tracker() -> ForkJoinTracker | None:
+def _capture_here():
+    """The calling thread's capture, or None outside one and inside the hooks' own calls."""
     capture = context.current()
-    if capture is None or not capture.segment_open or getattr(_quiet, "active", False):
-        return None  # outside a capture, or inside an eager break: plain torch semantics
-    return capture.tracker
+    if capture is None or getattr(_quiet, "active", False):
+        return None
+    return capture
 
 
 def _hooked_wait_stream(self: torch.cuda.Stream, stream: torch.cuda.Stream) -> None:
-    tracker = _tracker()
-    if tracker is None:
+    capture = _capture_here()
+    if capture is None:
         return _originals[(torch.cuda.Stream, "wait_stream")](self, stream)
-    original_wait_stream(self, stream)
-    tracker.stream_waited(self, stream)
+    original_wait_stream(self, stream)  # its own event crosses no boundary
+    if capture.segment_open:  # in a break, both streams run eagerly: nothing to track
+        capture.tracker.stream_waited(self, stream)
 
 
 def _event_hook(name: str) -> Callable:
-    """Decorator: ``tracked(original, event, stream, tracker)`` as the hook of ``Event.<name>``,
-    which calls torch's own method outside a capture's segments."""
+    """Decorator: ``tracked(original, event, stream, capture)`` as the hook of ``Event.<name>``,
+    which calls torch's own method outside a capture."""
 
-    def make(tracked: Callable[[Callable, torch.cuda.Event, torch.cuda.Stream, ForkJoinTracker], None]) -> Callable:
+    def make(tracked: Callable[[Callable, torch.cuda.Event, torch.cuda.Stream, context.ActiveCapture], None]) -> Callable:
         def hooked(self: torch.cuda.Event, stream: torch.cuda.Stream | None = None) -> None:
             original = _originals[(torch.cuda.Event, name)]
-            tracker = _tracker()
-            if tracker is None:
+            capture = _capture_here()
+            if capture is None:
                 return original(self, stream)
-            tracked(original, self, torch.cuda.current_stream() if stream is None else stream, tracker)
+            tracked(original, self, torch.cuda.current_stream() if stream is None else stream, capture)
 
         return hooked
 
@@ -216,18 +301,23 @@ def _event_hook(name: str) -> Callable:
 
 
 @_event_hook("record")
-def _hooked_event_record(original: Callable, event: torch.cuda.Event, stream: torch.cuda.Stream, tracker: ForkJoinTracker) -> None:
+def _hooked_event_record(original: Callable, event: torch.cuda.Event, stream: torch.cuda.Stream, capture: context.ActiveCapture) -> None:
     original(event, stream)
-    tracker.event_recorded(event, stream)
+    if capture.segment_open:
+        capture.tracker.event_recorded(event, stream)
+    else:
+        capture.tracker.event_recorded_in_break(event, stream)
 
 
 @_event_hook("wait")
-def _hooked_event_wait(original: Callable, event: torch.cuda.Event, stream: torch.cuda.Stream, tracker: ForkJoinTracker) -> None:
-    if tracker.recorded_in_earlier_segment(event):
-        tracker.waited_on_earlier_segment(stream)
-        return
-    original(event, stream)
-    tracker.event_waited(event, stream)
+def _hooked_event_wait(original: Callable, event: torch.cuda.Event, stream: torch.cuda.Stream, capture: context.ActiveCapture) -> None:
+    tracker = capture.tracker
+    if not capture.segment_open:
+        if not tracker.waited_in_break(event, stream):
+            original(event, stream)
+    elif not tracker.waited_in_segment(event, stream):
+        original(event, stream)
+        tracker.event_waited(event, stream)
 
 
 _HOOKS = {
@@ -258,6 +348,15 @@ def remove_hooks() -> None:
                 setattr(cls, name, original)
             # _originals stays filled: a hook another thread entered just before this
             # removal still finds the method it calls (the hooks read it without the lock).
+
+
+def original_record(event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
+    """``event.record(stream)`` with no bookkeeping by the hooks."""
+    _originals.get((torch.cuda.Event, "record"), torch.cuda.Event.record)(event, stream)
+
+
+def _wait_external(stream: torch.cuda.Stream, event: bindings.Event) -> None:
+    bindings.wait_event(stream, event, external=True)
 
 
 def original_wait_stream(waiter: torch.cuda.Stream, source: torch.cuda.Stream) -> None:

@@ -155,6 +155,98 @@ def test_side_stream_left_unjoined_at_capture_end_is_joined():
     _originals_back()
 
 
+# Events that cross a break. The work an event stands for is delayed on the GPU, so a
+# replay that did not order its reader after it would read the buffer's old values.
+SLEEP_CYCLES = 20_000_000  # about 10 ms on an H100
+CROSSING = {}
+KEPT_EVENT = torch.cuda.Event() if torch.cuda.is_available() else None
+
+
+@bg.eager_on_graph
+def produce_on_side(x, buffer, kept):
+    """Writes ``buffer`` on SIDE, late, and records an event there: a new one each call, or
+    one the model keeps and records again (``kept``)."""
+    SIDE.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(SIDE):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        buffer.copy_(torch.tanh(x))
+    if kept:
+        KEPT_EVENT.record(SIDE)
+        CROSSING["done"] = KEPT_EVENT
+    else:
+        CROSSING["done"] = SIDE.record_event()
+
+
+def wait_on_the_break_event(x, buffer, kept):
+    h = x * 2
+    produce_on_side(h, buffer, kept)
+    g = h + 1  # ahead of the wait: free to overlap the side stream's work
+    torch.cuda.current_stream().wait_event(CROSSING["done"])
+    return buffer * g
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["new_event_per_call", "kept_event"])
+def test_a_segment_waits_on_an_event_a_break_recorded_on_a_side_stream(kept):
+    x, buffer = torch.randn(256, 256, device=DEV), torch.zeros(256, 256, device=DEV)
+    graph, _ = check_against_eager(lambda x, buffer: wait_on_the_break_event(x, buffer, kept), [x, buffer])
+    eager_break = next(s for s in graph.segments if s.kind == "eager")
+    assert eager_break.ordering.has_signals and not eager_break.ordering.has_followers
+    _originals_back()
+
+
+@bg.eager_on_graph
+def produce_here(x, buffer):
+    torch.cuda._sleep(SLEEP_CYCLES)
+    buffer.copy_(torch.tanh(x))
+    CROSSING["here"] = torch.cuda.current_stream().record_event()
+
+
+def side_stream_waits_on_the_break(x, buffer):
+    produce_here(x * 2, buffer)
+    SIDE.wait_event(CROSSING["here"])  # a fork, by an event of the break's stream
+    with torch.cuda.stream(SIDE):
+        y = buffer * 3
+    torch.cuda.current_stream().wait_stream(SIDE)
+    return y
+
+
+def test_a_side_stream_waits_in_a_segment_on_an_event_the_break_recorded_on_the_capture_stream():
+    x, buffer = torch.randn(256, 256, device=DEV), torch.zeros(256, 256, device=DEV)
+    graph, _ = check_against_eager(side_stream_waits_on_the_break, [x, buffer])
+    assert SIDE.cuda_stream in graph.segments[-1].side_streams
+    eager_break = next(s for s in graph.segments if s.kind == "eager")
+    assert not (eager_break.ordering.has_followers or eager_break.ordering.has_signals)  # the replay stream orders it
+    _originals_back()
+
+
+@bg.eager_on_graph
+def consume_in_break(h, on_side):
+    """Reads what the segment before it wrote, once the event the segment recorded is done."""
+    stream = SIDE if on_side else torch.cuda.current_stream()
+    stream.wait_event(CROSSING["ready"])
+    with torch.cuda.stream(stream):
+        out = h * 3
+    torch.cuda.current_stream().wait_stream(stream)
+    return out
+
+
+def break_waits_on_the_segment_event(x, on_side):
+    torch.cuda._sleep(SLEEP_CYCLES)
+    h = torch.tanh(x)
+    CROSSING["ready"] = torch.cuda.current_stream().record_event()
+    return consume_in_break(h, on_side) + 1
+
+
+@pytest.mark.parametrize("on_side", [True, False], ids=["side_stream", "capture_stream"])
+def test_a_break_waits_on_an_event_a_segment_recorded(on_side):
+    x = torch.randn(256, 256, device=DEV)
+    graph, _ = check_against_eager(lambda x: break_waits_on_the_segment_event(x, on_side), [x])
+    eager_break = next(s for s in graph.segments if s.kind == "eager")
+    assert (eager_break.ordering is not None and eager_break.ordering.has_followers) == on_side
+    CROSSING["ready"].synchronize()  # recorded again outside the capture: usable after it
+    _originals_back()
+
+
 def test_original_methods_restored_after_failed_capture():
     with pytest.raises(ZeroDivisionError):
         with bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph()):

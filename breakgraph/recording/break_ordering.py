@@ -1,0 +1,66 @@
+"""Events that cross a break, and the ordering a break's replay keeps for them.
+
+CUDA refuses both ways an event can cross a segment boundary: a capturing
+stream cannot wait on an event recorded outside its capture, and a stream
+outside a capture cannot wait on one recorded inside it (nor can anything at
+replay, as the graph never records it again). The stream hooks route such
+waits here at capture, and the break's replay keeps the order they asked for:
+
+- **Recorded in a break, waited on in a later segment.** The segment waits on
+  an event of breakgraph's, recorded on the break's stream right after every
+  replay of the break: an event-wait node of the graph, where the wait was, so
+  the graph's work ahead of the wait still overlaps the break's stream.
+- **Recorded in a segment, waited on in a later break.** Before every replay
+  of the break, the waiting stream waits on the replay stream's work so far:
+  the graphs launched before the break, which hold the work the event stood for.
+
+Work recorded on, or waited on by, the capture stream itself needs neither:
+at replay the replay stream runs the graphs and the breaks in order.
+"""
+
+from __future__ import annotations
+
+import breakgraph_bindings as bindings
+from breakgraph_bindings import StreamHandle
+
+
+class BreakOrdering:
+    """What one break orders across its boundaries at replay (see the module): the streams
+    that follow the replay stream before it runs, and the events it records after."""
+
+    def __init__(self) -> None:
+        self._followers: dict[int, StreamHandle] = {}
+        self._signals: dict[int, tuple[StreamHandle, bindings.Event]] = {}
+        self._ready: bindings.Event | None = None  # what the followers wait on
+
+    @property
+    def has_followers(self) -> bool:
+        return bool(self._followers)
+
+    @property
+    def has_signals(self) -> bool:
+        return bool(self._signals)
+
+    def follow(self, raw_stream: int) -> None:
+        """Before the break replays, ``raw_stream`` waits on the replay stream's work so far."""
+        if self._ready is None:
+            self._ready = bindings.Event()
+        self._followers.setdefault(raw_stream, bindings.stream_handle(raw_stream))
+
+    def signal_on(self, raw_stream: int) -> bindings.Event:
+        """The event recorded on ``raw_stream`` after every replay of the break."""
+        signal = self._signals.get(raw_stream)
+        if signal is None:
+            signal = self._signals[raw_stream] = (bindings.stream_handle(raw_stream), bindings.Event())
+        return signal[1]
+
+    def before(self, replay_stream: StreamHandle) -> None:
+        """Order the followers after ``replay_stream``'s work so far (ahead of the break)."""
+        self._ready.record(replay_stream)
+        for follower in self._followers.values():
+            bindings.wait_event(follower, self._ready)
+
+    def after(self) -> None:
+        """Record every signal on its stream (after the break)."""
+        for stream, event in self._signals.values():
+            event.record(stream)
