@@ -258,12 +258,12 @@ def test_events_recorded_into_segments_live_until_the_capture_ends():
 
 def test_a_hook_entered_before_the_last_capture_ends_still_finds_torchs_method():
     """Hooks read the saved originals without the lock; removing the hooks must not take them away."""
-    from breakgraph.recording import streams
+    from breakgraph.recording import stream_hooks
 
     original = torch.cuda.Stream.__dict__["wait_stream"]
-    streams.install_hooks()
+    stream_hooks.install_hooks()
     hooked = torch.cuda.Stream.__dict__["wait_stream"]
-    streams.remove_hooks()  # another thread's last capture ends while this hook is under way
+    stream_hooks.remove_hooks()  # another thread's last capture ends while this hook is under way
     assert hooked is not original and torch.cuda.Stream.__dict__["wait_stream"] is original
     with pytest.raises(Exception) as raised:
         hooked(object(), object())  # outside a capture: reaches torch's method, which refuses these

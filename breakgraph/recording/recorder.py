@@ -18,7 +18,7 @@ import torch
 
 import breakgraph_bindings as bindings
 from breakgraph.base import context, runtime
-from breakgraph.recording import rng, streams
+from breakgraph.recording import rng, stream_hooks, streams
 from breakgraph.recording.breaks import record_break, run_eagerly, run_inline
 from breakgraph.recording.dispatch import BarrierBeforeCollectives, UncapturableOpError
 from breakgraph.recording.op_watch import watch_ops
@@ -69,8 +69,8 @@ class Recorder:
         self.tracker = streams.ForkJoinTracker(
             stream,
             bindings.capture_info,
-            join=streams.original_wait_stream,
-            fork=streams.original_wait_stream,
+            join=stream_hooks.original_wait_stream,
+            fork=stream_hooks.original_wait_stream,
         )
         self._routing = None  # this thread's allocations routed to the pool, between torch's segments
         self._previous = "start"  # what the next graph segment follows, for its name
@@ -254,8 +254,8 @@ class Recorder:
             scope.callback(self.stop_routing)
             # Backward passes run on this thread, so their breaks and allocations are ours.
             scope.enter_context(torch.autograd.set_multithreading_enabled(False))
-            streams.install_hooks()
-            scope.callback(streams.remove_hooks)
+            stream_hooks.install_hooks()
+            scope.callback(stream_hooks.remove_hooks)
             scope.callback(self.tracker.capture_ended)  # after the last segment's capture has ended
             scope.callback(context.deactivate, context.activate(self))
             if watch:
