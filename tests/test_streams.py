@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from breakgraph_bindings import CaptureInfo, CaptureStatus
 from breakgraph.recording import break_ordering
-from breakgraph.recording.streams import ForkJoinTracker
+from breakgraph.recording.streams import ForkJoinTracker, StreamJoinError
 
 
 @pytest.fixture(autouse=True)
@@ -23,6 +23,8 @@ def events_without_a_gpu(monkeypatch):
 
 
 class FakeStream:
+    device_index = 0
+
     def __init__(self, handle):
         self.cuda_stream = handle
 
@@ -301,8 +303,81 @@ def test_a_break_orders_the_events_that_cross_its_boundaries():
     tracker.segment_begun()
     assert tracker.waited_in_segment(done, main)
     assert waits == [(main, ordering.signal_on(side.cuda_stream))] and ordering.has_signals
-    assert tracker.waited_in_segment(ready, main) and len(waits) == 1  # now a break's event on the capture stream
+    assert tracker.waited_in_segment(ready, main) and len(waits) == 1  # an earlier segment's: followed, no node
     tracker.segment_ending()
     sim.start()
     tracker.break_begun()
     assert tracker.break_ended() is None
+
+
+def tracker_between_segments():
+    """A tracker, its simulated capture, and what it asked of CUDA, after one segment in which
+    ``side`` took part and recorded ``ready``; a break is running."""
+    main, side = FakeStream(1), FakeStream(2)
+    sim = SimulatedCapture(main)
+    log = {"forks": [], "records": []}
+    tracker = ForkJoinTracker(
+        main,
+        sim.info,
+        join=lambda c, s: sim.wait_stream(c, s),
+        fork=lambda s, c: log["forks"].append(s),
+        record=lambda e, s: log["records"].append((e, s)),
+        wait_external=lambda s, e: None,
+    )
+    tracker.segment_begun()
+    sim.wait_stream(side, main)
+    tracker.stream_waited(side, main)
+    ready = FakeEvent()
+    tracker.event_recorded(ready, side)
+    tracker.segment_ending()
+    sim.start()
+    tracker.break_begun()
+    return tracker, main, side, ready, log
+
+
+def test_every_wait_in_breaks_on_a_segments_event_is_ordered():
+    """Two streams of one break, and a stream of a later break, wait on one segment's event:
+    each follows the replay stream; the event is recorded again once."""
+    tracker, main, side, ready, log = tracker_between_segments()
+    first, second, later = FakeStream(3), FakeStream(4), FakeStream(5)
+    assert tracker.waited_in_break(ready, first) and tracker.waited_in_break(ready, second)
+    ordering = tracker.break_ended()
+    tracker.segment_begun()
+    tracker.segment_ending()
+    tracker.break_begun()
+    assert tracker.waited_in_break(ready, later)
+    assert ordering._followers.keys() == {3, 4} and tracker.break_ended()._followers.keys() == {5}
+    assert log["records"] == [(ready, main)]
+    assert [stream for stream in log["forks"] if stream is not side] == [first, second, later]  # side: carried
+
+
+def test_a_break_waiting_on_a_stream_that_took_part_in_a_segment_follows_the_replay_stream():
+    tracker, main, side, _ready, log = tracker_between_segments()
+    comm, untouched = FakeStream(6), FakeStream(7)
+    tracker.stream_waited_in_break(comm, side)  # side's segment work ran in the graph
+    tracker.stream_waited_in_break(comm, untouched)  # eager work only: torch's own wait orders it
+    tracker.stream_waited_in_break(main, side)  # the replay stream orders itself
+    assert tracker.break_ended()._followers.keys() == {6} and log["forks"] == [comm]
+
+
+def test_a_break_that_raised_leaves_no_event_a_later_graph_would_wait_on():
+    """Its segment is not recorded, so nothing would record its events at replay: a later
+    wait on one is left to CUDA, which refuses it."""
+    tracker, main, side, _ready, _log = tracker_between_segments()
+    done = FakeEvent()
+    tracker.event_recorded_in_break(done, side)
+    tracker.break_discarded(tracker.break_ended())
+    tracker.segment_begun()
+    assert not tracker.waited_in_segment(done, main)
+
+
+def test_a_wait_on_a_break_event_of_another_device_is_refused_with_the_fix():
+    tracker, main, side, _ready, _log = tracker_between_segments()
+    elsewhere = FakeStream(8)
+    elsewhere.device_index = 1
+    done = FakeEvent()
+    tracker.event_recorded_in_break(done, elsewhere)
+    tracker.break_ended()
+    tracker.segment_begun()
+    with pytest.raises(StreamJoinError, match=r"cuda:1, while the capture runs on cuda:0.*wait_stream"):
+        tracker.waited_in_segment(done, main)

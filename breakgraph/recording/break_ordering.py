@@ -48,7 +48,7 @@ class BreakOrdering:
         self._followers.setdefault(raw_stream, bindings.stream_handle(raw_stream))
 
     def signal_on(self, raw_stream: int) -> bindings.Event:
-        """The event recorded on ``raw_stream`` after every replay of the break."""
+        """The event recorded on ``raw_stream`` (of the capture's device) after every replay of the break."""
         signal = self._signals.get(raw_stream)
         if signal is None:
             signal = self._signals[raw_stream] = (bindings.stream_handle(raw_stream), bindings.Event())

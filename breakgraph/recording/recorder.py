@@ -162,6 +162,7 @@ class Recorder:
             self.barrier()
         run = stub or function
         self.tracker.break_begun()
+        ordering = None
         try:
             try:
                 if self.barrier is None or (self.peers is not None and self.peers.is_quiet(function)):
@@ -174,6 +175,9 @@ class Recorder:
             finally:
                 ordering = self.tracker.break_ended()
             self.segments.append(record_break(len(self.segments), name, function, args, kwargs, result, before, ordering))
+        except BaseException:
+            self.tracker.break_discarded(ordering)
+            raise
         finally:  # also when the break raised: the capture stays whole for a caller that goes on
             self._previous = call
             self.begin_segment()

@@ -37,8 +37,10 @@ def _hooked_wait_stream(self: torch.cuda.Stream, stream: torch.cuda.Stream) -> N
     if capture is None:
         return _originals[(torch.cuda.Stream, "wait_stream")](self, stream)
     original_wait_stream(self, stream)  # its own event crosses no boundary
-    if capture.segment_open:  # in a break, both streams run eagerly: nothing to track
+    if capture.segment_open:
         capture.tracker.stream_waited(self, stream)
+    else:
+        capture.tracker.stream_waited_in_break(self, stream)
 
 
 def _event_hook(name: str) -> Callable:

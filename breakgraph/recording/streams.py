@@ -91,6 +91,8 @@ class ForkJoinTracker:
         # What each event recorded into a segment or a break stands for (None: re-recorded
         # outside the capture since); the events are held to the capture's end (:meth:`capture_ended`).
         self._recorded_on: dict[torch.cuda.Event, _SegmentRecord | _BreakRecord | None] = {}
+        self._recorded_again: set[torch.cuda.Event] = set()  # segments' events recorded again in a break
+        self._took_part: set[int] = set()  # every side stream seen in any segment
         self._in_break = False  # while a break's function runs
         self._break: BreakOrdering | None = None  # that break's, made once an event crosses it
 
@@ -171,6 +173,7 @@ class ForkJoinTracker:
         stream, wherever the user's code drops it (a break included): ``torch.cuda.graph``'s
         users destroy an event recorded in a capture only once no capture of its stream runs."""
         self._recorded_on.clear()
+        self._recorded_again.clear()
 
     def waited_in_segment(self, event: torch.cuda.Event, stream: torch.cuda.Stream) -> bool:
         """``stream`` waits on ``event`` inside the open segment. True where the event
@@ -187,6 +190,13 @@ class ForkJoinTracker:
         if entry is None or (isinstance(entry, _SegmentRecord) and entry.segment == self._segment_number):
             return False
         if isinstance(entry, _BreakRecord) and _stream_id(entry.stream) != _stream_id(self.capture_stream):
+            if entry.stream.device_index != self.capture_stream.device_index:
+                raise StreamJoinError(
+                    f"a segment waits on an event a break recorded on stream {_stream_id(entry.stream):#x} of "
+                    f"cuda:{entry.stream.device_index}, while the capture runs on cuda:{self.capture_stream.device_index}: "
+                    "breakgraph orders events across a break on the capture's device only; make the break wait "
+                    "for that stream before it returns (torch.cuda.current_stream().wait_stream(...))"
+                )
             info = self._capture_info(stream)
             if info.status is not CaptureStatus.ACTIVE or info.capture_id != self.capture_id:
                 self._follow_capture_stream(stream)
@@ -212,6 +222,13 @@ class ForkJoinTracker:
         ordering, self._in_break, self._break = self._break, False, None
         return ordering
 
+    def break_discarded(self, ordering: BreakOrdering | None) -> None:
+        """The break raised and is not recorded: nothing records its events at replay, so a
+        later segment's wait on one goes to CUDA, which refuses it."""
+        for event, entry in self._recorded_on.items():
+            if isinstance(entry, _BreakRecord) and entry.ordering is ordering:
+                self._recorded_on[event] = None
+
     def _ordering(self) -> BreakOrdering:
         if self._break is None:
             self._break = BreakOrdering()
@@ -226,18 +243,29 @@ class ForkJoinTracker:
     def waited_in_break(self, event: torch.cuda.Event, stream: torch.cuda.Stream) -> bool:
         """``stream`` waits on ``event`` in a break. True where the event was recorded in a
         segment, and the wait is made here: ``stream`` follows the capture stream, at capture
-        and, before the break, at every replay. The event is recorded again on the capture
-        stream, outside the capture: one recorded in a capture cannot be waited on outside
-        it, nor at replay, by the break's own code."""
+        and, before the break, at every replay. The first such wait records the event again
+        on the capture stream, outside the capture: one recorded in a capture cannot be
+        waited on outside it, nor at replay, by the break's own code."""
         if not self._in_break or not isinstance(self._recorded_on.get(event), _SegmentRecord):
             return False
-        ordering = self._ordering()
+        self._follow_segments(stream)
+        if event not in self._recorded_again:
+            self._record(event, self.capture_stream)
+            self._recorded_again.add(event)
+        return True
+
+    def stream_waited_in_break(self, waiter: torch.cuda.Stream, source: torch.cuda.Stream) -> None:
+        """``waiter`` waits on ``source`` in a break: where ``source`` took part in a segment,
+        its work there ran in the graphs, so ``waiter`` follows them too."""
+        if self._in_break and _stream_id(source) in self._took_part:
+            self._follow_segments(waiter)
+
+    def _follow_segments(self, stream: torch.cuda.Stream) -> None:
+        """In a break, ``stream`` (unless the capture stream, which replay orders) waits on the
+        capture stream's work: now, and before the break at every replay."""
         if _stream_id(stream) != _stream_id(self.capture_stream):
             self._fork(stream, self.capture_stream)
-            ordering.follow(_stream_id(stream))
-        self._record(event, self.capture_stream)
-        self._recorded_on[event] = _BreakRecord(self.capture_stream, ordering)
-        return True
+            self._ordering().follow(_stream_id(stream))
 
     def event_waited(self, event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
         entry = self._recorded_on.get(event)
@@ -246,6 +274,7 @@ class ForkJoinTracker:
 
     def _note_fork(self, stream: torch.cuda.Stream) -> None:
         sid = _stream_id(stream)
+        self._took_part.add(sid)
         self._streams[sid] = stream
         self._open.add(sid)
         self._joined_at.pop(sid, None)

@@ -247,6 +247,55 @@ def test_a_break_waits_on_an_event_a_segment_recorded(on_side):
     _originals_back()
 
 
+@bg.eager_on_graph
+def two_streams_read_in_break(h):
+    """Both side streams wait on the one event a segment recorded, and read what it stands for."""
+    outs = []
+    for stream, scale in ((SIDE, 3), (SIDE2, 5)):
+        stream.wait_event(CROSSING["ready"])
+        with torch.cuda.stream(stream):
+            outs.append(h * scale)
+        torch.cuda.current_stream().wait_stream(stream)
+    return outs[0] + outs[1]
+
+
+def two_streams_wait_on_the_segment_event(x):
+    torch.cuda._sleep(SLEEP_CYCLES)
+    h = torch.tanh(x)
+    CROSSING["ready"] = torch.cuda.current_stream().record_event()
+    return two_streams_read_in_break(h)
+
+
+def test_two_streams_of_a_break_wait_on_one_event_a_segment_recorded():
+    check_against_eager(two_streams_wait_on_the_segment_event, [torch.randn(256, 256, device=DEV)])
+    _originals_back()
+
+
+@bg.eager_on_graph
+def read_after_side_stream(h):
+    """Waits on SIDE, whose work on ``h`` was captured in the segment before the break."""
+    SIDE2.wait_stream(SIDE)
+    with torch.cuda.stream(SIDE2):
+        out = h * 3
+    torch.cuda.current_stream().wait_stream(SIDE2)
+    return out
+
+
+def side_stream_work_then_a_break_waits_on_it(x):
+    SIDE.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(SIDE):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        h = torch.tanh(x)  # left unjoined: the segment's end joins it
+    return read_after_side_stream(h) + 1
+
+
+def test_a_break_waits_on_a_side_stream_whose_work_a_segment_captured():
+    graph, _ = check_against_eager(side_stream_work_then_a_break_waits_on_it, [torch.randn(256, 256, device=DEV)])
+    eager_break = next(s for s in graph.segments if s.kind == "eager")
+    assert eager_break.ordering.has_followers
+    _originals_back()
+
+
 def test_original_methods_restored_after_failed_capture():
     with pytest.raises(ZeroDivisionError):
         with bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph()):
