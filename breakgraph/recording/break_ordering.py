@@ -13,6 +13,8 @@ waits here at capture, and the break's replay keeps the order they asked for:
 - **Recorded in a segment, waited on in a later break.** Before every replay
   of the break, the waiting stream waits on the replay stream's work so far:
   the graphs launched before the break, which hold the work the event stood for.
+  So does a stream that waits in a break on a side stream whose work a segment
+  captured (``wait_stream``).
 
 Work recorded on, or waited on by, the capture stream itself needs neither:
 at replay the replay stream runs the graphs and the breaks in order.
