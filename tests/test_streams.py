@@ -366,7 +366,7 @@ def test_a_break_that_raised_leaves_no_event_a_later_graph_would_wait_on():
     tracker, main, side, _ready, _log = tracker_between_segments()
     done = FakeEvent()
     tracker.event_recorded_in_break(done, side)
-    tracker.break_discarded(tracker.break_ended())
+    tracker.break_discarded()
     tracker.segment_begun()
     assert not tracker.waited_in_segment(done, main)
 

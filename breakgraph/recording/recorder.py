@@ -162,21 +162,18 @@ class Recorder:
             self.barrier()
         run = stub or function
         self.tracker.break_begun()
-        ordering = None
         try:
-            try:
-                if self.barrier is None or (self.peers is not None and self.peers.is_quiet(function)):
+            if self.barrier is None or (self.peers is not None and self.peers.is_quiet(function)):
+                result, before = run_eagerly(name, run, args, kwargs, self._checked_pool)
+            else:  # the barrier before each collective the break issues
+                with BarrierBeforeCollectives(self.barrier) as watch:
                     result, before = run_eagerly(name, run, args, kwargs, self._checked_pool)
-                else:  # the barrier before each collective the break issues
-                    with BarrierBeforeCollectives(self.barrier) as watch:
-                        result, before = run_eagerly(name, run, args, kwargs, self._checked_pool)
-                    if self.peers is not None and not watch.collectives:
-                        self.peers.found_quiet(function)  # a runner's peers learn which breaks issue none
-            finally:
-                ordering = self.tracker.break_ended()
+                if self.peers is not None and not watch.collectives:
+                    self.peers.found_quiet(function)  # a runner's peers learn which breaks issue none
+            ordering = self.tracker.break_ended()
             self.segments.append(record_break(len(self.segments), name, function, args, kwargs, result, before, ordering))
         except BaseException:
-            self.tracker.break_discarded(ordering)
+            self.tracker.break_discarded()
             raise
         finally:  # also when the break raised: the capture stays whole for a caller that goes on
             self._previous = call

@@ -218,15 +218,17 @@ class ForkJoinTracker:
 
     def break_ended(self) -> BreakOrdering | None:
         """What the break's replay orders across its boundaries, filled in as later segments
-        wait on its events; None where no event crossed it."""
-        ordering, self._in_break, self._break = self._break, False, None
-        return ordering
+        wait on its events; None where no event crossed it. The break is over for the tracker,
+        and stays its last one until the next begins (:meth:`break_discarded`)."""
+        self._in_break = False
+        return self._break
 
-    def break_discarded(self, ordering: BreakOrdering | None) -> None:
-        """The break raised and is not recorded: nothing records its events at replay, so a
-        later segment's wait on one goes to CUDA, which refuses it."""
+    def break_discarded(self) -> None:
+        """The last break raised, or could not be recorded: nothing records its events at
+        replay, so a later segment's wait on one goes to CUDA, which refuses it."""
+        self._in_break = False
         for event, entry in self._recorded_on.items():
-            if isinstance(entry, _BreakRecord) and entry.ordering is ordering:
+            if isinstance(entry, _BreakRecord) and entry.ordering is self._break:
                 self._recorded_on[event] = None
 
     def _ordering(self) -> BreakOrdering:
