@@ -16,6 +16,19 @@ from breakgraph.recording import break_ordering
 from breakgraph.recording.streams import ForkJoinTracker, StreamJoinError
 
 
+class RecordedBreak:
+    """A break's segment, as far as the tracker sees it."""
+
+    ordering = None
+
+
+def end_break(tracker):
+    """End the running break, recorded as a segment; return what its replay orders."""
+    recorded = RecordedBreak()
+    tracker.break_ended(recorded)
+    return recorded.ordering
+
+
 @pytest.fixture(autouse=True)
 def events_without_a_gpu(monkeypatch):
     """The events a break's ordering makes, without CUDA."""
@@ -98,7 +111,8 @@ class TrackerMachine(RuleBasedStateMachine):
         )
         self.tracker.segment_begun()
         self.events = {}
-        self.orderings = []  # what the breaks' segments keep for replay
+        self.breaks = []  # the breaks' segments, with what they keep for replay
+        self.external_waits = []
 
     def _join(self, capture_stream, side):
         assert capture_stream is self.main
@@ -114,10 +128,12 @@ class TrackerMachine(RuleBasedStateMachine):
 
     def _wait_external(self, stream, event):  # an event-wait node on a capturing stream
         assert self.sim.capturing(stream) and isinstance(event, FakeEvent)
-        assert any(event is signal for ordering in self.orderings for _, signal in ordering._signals.values()), (
+        orderings = [recorded.ordering for recorded in self.breaks if recorded.ordering is not None]
+        assert any(event is signal for ordering in orderings for _, signal in ordering._signals.values()), (
             "a graph waits on an event no break's replay records"
         )
         self.sim.launch(stream)
+        self.external_waits.append((stream, event))
 
     streams = st.integers(0, 3)
 
@@ -126,6 +142,16 @@ class TrackerMachine(RuleBasedStateMachine):
 
     # The hooks' behaviour, replayed against the simulation.
     def wait_stream(self, waiter, source):
+        if self.sim.capturing(waiter) and not self.sim.capturing(source) and not self.breaks:
+            with pytest.raises(StreamJoinError, match="no break came before the wait"):
+                self.tracker.waited_on_uncaptured_stream(waiter, source)
+            return
+        if self.tracker.waited_on_uncaptured_stream(waiter, source):
+            # after what every break so far queued on the source: the latest break's replay signals
+            assert self.external_waits[-1] == (waiter, self.breaks[-1].ordering.signal_on(source.cuda_stream))
+            return
+        # CUDA refuses a capturing stream's wait on work outside the capture
+        assert self.sim.capturing(source) or not self.sim.capturing(waiter), "a wait on an uncaptured stream reached CUDA"
         self.sim.wait_stream(waiter, source)
         self.tracker.stream_waited(waiter, source)
 
@@ -169,7 +195,9 @@ class TrackerMachine(RuleBasedStateMachine):
 
     @rule(in_break=st.lists(st.tuples(st.booleans(), streams, st.integers(0, 2)), max_size=4))
     def segment_boundary(self, in_break):
-        """A segment ends, a break records and waits on events (eagerly), the next begins."""
+        """A segment ends, a break records and waits on events (eagerly), the next begins.
+        Uncaptured streams may have work of the break's: a later segment's wait on one must
+        wait on a signal the latest break records (checked in ``_wait_external``)."""
         self.joins.clear()
         self.tracker.segment_ending()
         assert not self.sim.unjoined(), "a forked stream was left unjoined at the segment end"
@@ -188,9 +216,8 @@ class TrackerMachine(RuleBasedStateMachine):
                 handled = self.tracker.waited_in_break(event, stream)
                 # CUDA refuses an eager wait on an event a capture recorded
                 assert handled or not event.capturing, "a break's wait on a captured event reached CUDA"
-        ordering = self.tracker.break_ended()
-        if ordering is not None:
-            self.orderings.append(ordering)
+        self.breaks.append(RecordedBreak())
+        self.tracker.break_ended(self.breaks[-1])
         self.sim.frontier[self.main.cuda_stream] = frozenset()
         self.tracker.segment_begun()
 
@@ -297,7 +324,7 @@ def test_a_break_orders_the_events_that_cross_its_boundaries():
     done = FakeEvent()
     tracker.event_recorded_in_break(done, side)
     assert tracker.waited_in_break(ready, side)
-    ordering = tracker.break_ended()
+    ordering = end_break(tracker)
     assert forks == [side] and records == [(ready, main)]  # the side stream follows; the event is usable again
     assert ordering.has_followers and not ordering.has_signals
     tracker.segment_begun()
@@ -307,7 +334,7 @@ def test_a_break_orders_the_events_that_cross_its_boundaries():
     tracker.segment_ending()
     sim.start()
     tracker.break_begun()
-    assert tracker.break_ended() is None
+    assert end_break(tracker) is None
 
 
 def tracker_between_segments():
@@ -315,14 +342,14 @@ def tracker_between_segments():
     ``side`` took part and recorded ``ready``; a break is running."""
     main, side = FakeStream(1), FakeStream(2)
     sim = SimulatedCapture(main)
-    log = {"forks": [], "records": []}
+    log = {"forks": [], "records": [], "waits": [], "sim": sim}
     tracker = ForkJoinTracker(
         main,
         sim.info,
         join=lambda c, s: sim.wait_stream(c, s),
         fork=lambda s, c: log["forks"].append(s),
         record=lambda e, s: log["records"].append((e, s)),
-        wait_external=lambda s, e: None,
+        wait_external=lambda s, e: log["waits"].append((s, e)),
     )
     tracker.segment_begun()
     sim.wait_stream(side, main)
@@ -341,12 +368,12 @@ def test_every_wait_in_breaks_on_a_segments_event_is_ordered():
     tracker, main, side, ready, log = tracker_between_segments()
     first, second, later = FakeStream(3), FakeStream(4), FakeStream(5)
     assert tracker.waited_in_break(ready, first) and tracker.waited_in_break(ready, second)
-    ordering = tracker.break_ended()
+    ordering = end_break(tracker)
     tracker.segment_begun()
     tracker.segment_ending()
     tracker.break_begun()
     assert tracker.waited_in_break(ready, later)
-    assert ordering._followers.keys() == {3, 4} and tracker.break_ended()._followers.keys() == {5}
+    assert ordering._followers.keys() == {3, 4} and end_break(tracker)._followers.keys() == {5}
     assert log["records"] == [(ready, main)]
     assert [stream for stream in log["forks"] if stream is not side] == [first, second, later]  # side: carried
 
@@ -357,7 +384,7 @@ def test_a_break_waiting_on_a_stream_that_took_part_in_a_segment_follows_the_rep
     tracker.stream_waited_in_break(comm, side)  # side's segment work ran in the graph
     tracker.stream_waited_in_break(comm, untouched)  # eager work only: torch's own wait orders it
     tracker.stream_waited_in_break(main, side)  # the replay stream orders itself
-    assert tracker.break_ended()._followers.keys() == {6} and log["forks"] == [comm]
+    assert end_break(tracker)._followers.keys() == {6} and log["forks"] == [comm]
 
 
 def test_a_break_that_raised_leaves_no_event_a_later_graph_would_wait_on():
@@ -377,7 +404,51 @@ def test_a_wait_on_a_break_event_of_another_device_is_refused_with_the_fix():
     elsewhere.device_index = 1
     done = FakeEvent()
     tracker.event_recorded_in_break(done, elsewhere)
-    tracker.break_ended()
+    end_break(tracker)
     tracker.segment_begun()
     with pytest.raises(StreamJoinError, match=r"cuda:1, while the capture runs on cuda:0.*wait_stream"):
         tracker.waited_in_segment(done, main)
+
+
+def test_a_segment_waiting_on_a_stream_a_break_used_waits_on_the_latest_breaks_signal():
+    """A segment's wait on a stream outside the capture (its work a break's) becomes an
+    event-wait node on an event the latest recorded break's replay records on that stream,
+    made when first needed; a break that raised is not the one."""
+    tracker, main, _side, _ready, log = tracker_between_segments()
+    comm, forked, outside = FakeStream(6), FakeStream(7), FakeStream(8)
+    first = RecordedBreak()
+    tracker.break_ended(first)
+    assert first.ordering is None  # no event crossed it
+    tracker.segment_begun()
+    tracker.segment_ending()
+    tracker.break_begun()
+    tracker.break_discarded()  # the caller went on past a break that raised
+    tracker.segment_begun()
+    sim = log["sim"]
+    sim.start()
+    sim.wait_stream(forked, main)
+    tracker.stream_waited(forked, main)
+    assert tracker.waited_on_uncaptured_stream(main, comm) and tracker.waited_on_uncaptured_stream(forked, comm)
+    signal = first.ordering.signal_on(comm.cuda_stream)
+    assert log["waits"] == [(main, signal), (forked, signal)] and first.ordering.has_signals
+    assert not tracker.waited_on_uncaptured_stream(outside, comm)  # neither in the capture: CUDA's wait
+    assert not tracker.waited_on_uncaptured_stream(main, forked)  # in the capture: a join
+    assert not tracker.waited_on_uncaptured_stream(forked, main)  # a fork
+
+
+def test_a_wait_on_an_uncaptured_stream_that_no_break_can_order_is_refused_with_the_fix():
+    main, comm = FakeStream(1), FakeStream(2)
+    sim = SimulatedCapture(main)
+    tracker = ForkJoinTracker(main, sim.info, join=lambda c, s: None, fork=lambda s, c: None, wait_external=lambda s, e: None)
+    tracker.segment_begun()
+    with pytest.raises(StreamJoinError, match=r"no break came before the wait.*outside the captured code.*@eager_on_graph"):
+        tracker.waited_on_uncaptured_stream(main, comm)
+    tracker.segment_ending()
+    tracker.break_begun()
+    end_break(tracker)
+    tracker.segment_begun()
+    sim.start()
+    elsewhere = FakeStream(3)
+    elsewhere.device_index = 1
+    with pytest.raises(StreamJoinError, match=r"on cuda:1, while the capture runs on cuda:0.*wait_stream"):
+        tracker.waited_on_uncaptured_stream(main, elsewhere)

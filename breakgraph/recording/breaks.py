@@ -44,7 +44,8 @@ class EagerSegment(Segment):
     ``argument_addresses`` (path, weak references to the tensor and its
     storage, data pointer, whether the graph's pool holds it) lets debug mode
     check that the caller's tensors did not move or die. ``ordering``: what it orders
-    at replay for events that crossed its boundaries (None: none did).
+    at replay for events and streams that crossed its boundaries (None: none did), set
+    by the fork/join tracker.
     """
 
     kind: ClassVar[str] = "eager"
@@ -157,14 +158,12 @@ def record_break(
     kwargs: dict,
     result,
     pool_usage: PoolUsage | None,
-    ordering: BreakOrdering | None = None,
 ) -> EagerSegment:
     """The eager segment that replays ``function(*args, **kwargs)``, which returned ``result`` at
     capture: arguments kept as non-owning aliases where they are plain tensors, the result
     where it is only CUDA tensors, and the writer that puts each replay's result where later
     segments read it. With ``pool_usage`` (debug mode: the graph's pool as the break began),
-    the arguments' addresses are recorded for the checks at replay. ``ordering``: what the
-    break's replay orders for events that crossed its boundaries."""
+    the arguments' addresses are recorded for the checks at replay."""
     arg_leaves, replay_args, replay_kwargs = _aliased_arguments(args, kwargs)
     if result is None:
         kept, write = None, make_writer(name, None, None)
@@ -184,7 +183,6 @@ def record_break(
         replay_args,
         replay_kwargs,
         write,
-        ordering,
         result=kept,
         argument_addresses=argument_addresses(function, args, kwargs, pool_usage) if pool_usage is not None else (),
     )

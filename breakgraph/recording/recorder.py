@@ -170,8 +170,9 @@ class Recorder:
                     result, before = run_eagerly(name, run, args, kwargs, self._checked_pool)
                 if self.peers is not None and not watch.collectives:
                     self.peers.found_quiet(function)  # a runner's peers learn which breaks issue none
-            ordering = self.tracker.break_ended()
-            self.segments.append(record_break(len(self.segments), name, function, args, kwargs, result, before, ordering))
+            segment = record_break(len(self.segments), name, function, args, kwargs, result, before)
+            self.tracker.break_ended(segment)
+            self.segments.append(segment)
         except BaseException:
             self.tracker.break_discarded()
             raise

@@ -36,11 +36,12 @@ def _hooked_wait_stream(self: torch.cuda.Stream, stream: torch.cuda.Stream) -> N
     capture = _capture_here()
     if capture is None:
         return _originals[(torch.cuda.Stream, "wait_stream")](self, stream)
-    original_wait_stream(self, stream)  # its own event crosses no boundary
-    if capture.segment_open:
-        capture.tracker.stream_waited(self, stream)
-    else:
+    if not capture.segment_open:
+        original_wait_stream(self, stream)  # its own event crosses no boundary
         capture.tracker.stream_waited_in_break(self, stream)
+    elif not capture.tracker.waited_on_uncaptured_stream(self, stream):
+        original_wait_stream(self, stream)
+        capture.tracker.stream_waited(self, stream)
 
 
 def _event_hook(name: str) -> Callable:

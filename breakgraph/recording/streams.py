@@ -10,7 +10,8 @@ it forks those streams again, so model code keeps using them across a break.
 
 An event recorded in a break and waited on in a later segment, or recorded
 in a segment and waited on in a later break, crosses a segment boundary, which
-CUDA refuses: the tracker hands such waits to the break's
+CUDA refuses, and so does a segment's wait on a stream whose work a break ran
+eagerly: the tracker hands such waits to the break's
 :class:`~breakgraph.recording.break_ordering.BreakOrdering`, which keeps their
 order at replay.
 
@@ -39,6 +40,13 @@ class StreamJoinError(RuntimeError):
 
 def _stream_id(stream: torch.cuda.Stream) -> int:
     return stream.cuda_stream
+
+
+class RecordedBreak(Protocol):
+    """A break as a segment of the replay: what its replay orders across its boundaries
+    (None: nothing)."""
+
+    ordering: BreakOrdering | None
 
 
 class _SegmentRecord(NamedTuple):
@@ -95,6 +103,7 @@ class ForkJoinTracker:
         self._took_part: set[int] = set()  # every side stream seen in any segment
         self._in_break = False  # while a break's function runs
         self._break: BreakOrdering | None = None  # that break's, made once an event crosses it
+        self._last_break: RecordedBreak | None = None  # the latest break recorded for replay
 
     # -- segment boundaries ---------------------------------------------------
     def segment_begun(self) -> None:
@@ -205,6 +214,37 @@ class ForkJoinTracker:
             self._follow_capture_stream(stream)
         return True
 
+    def waited_on_uncaptured_stream(self, waiter: torch.cuda.Stream, source: torch.cuda.Stream) -> bool:
+        """``waiter``, in the open segment, waits on ``source``, which is not in the capture:
+        its work so far ran eagerly (in breaks). True where the wait is made here, as CUDA
+        refuses it: ``waiter`` waits on an event the latest break's replay records on
+        ``source`` (an event-wait node), so at replay the graph waits for what every break
+        up to it queued there. False where the wait is CUDA's to make: ``source`` is in the
+        capture, or ``waiter`` is not."""
+        if _stream_id(source) == _stream_id(self.capture_stream) or self._capture_info(source).status is not CaptureStatus.NONE:
+            return False
+        if _stream_id(waiter) != _stream_id(self.capture_stream):
+            info = self._capture_info(waiter)
+            if info.status is not CaptureStatus.ACTIVE or info.capture_id != self.capture_id:
+                return False
+        where = f"a segment waits on stream {_stream_id(source):#x}, which is not in the capture"
+        if source.device_index != self.capture_stream.device_index:
+            raise StreamJoinError(
+                f"{where}, on cuda:{source.device_index}, while the capture runs on cuda:{self.capture_stream.device_index}: "
+                "breakgraph orders a break's streams on the capture's device only; make the break wait for that "
+                "stream before it returns (torch.cuda.current_stream().wait_stream(...))"
+            )
+        if self._last_break is None:
+            raise StreamJoinError(
+                f"{where}, and no break came before the wait: its work ran before the capture, which a graph "
+                "cannot wait on. Wait on it outside the captured code (before the `with` block or the graphed "
+                "call, and before each replay), or inside an @eager_on_graph function"
+            )
+        if self._last_break.ordering is None:
+            self._last_break.ordering = BreakOrdering()
+        self._wait_external(waiter, self._last_break.ordering.signal_on(_stream_id(source)))
+        return True
+
     def _follow_capture_stream(self, stream: torch.cuda.Stream) -> None:
         """``stream`` waits on the capture stream's work so far: a fork, where it is another."""
         if _stream_id(stream) != _stream_id(self.capture_stream):
@@ -216,16 +256,17 @@ class ForkJoinTracker:
         """A break's function runs now (eagerly): events it records and waits on may cross."""
         self._in_break, self._break = True, None
 
-    def break_ended(self) -> BreakOrdering | None:
-        """What the break's replay orders across its boundaries, filled in as later segments
-        wait on its events; None where no event crossed it. The break is over for the tracker,
-        and stays its last one until the next begins (:meth:`break_discarded`)."""
+    def break_ended(self, recorded: RecordedBreak) -> None:
+        """The break is over, and ``recorded`` replays it: it takes what the break orders
+        across its boundaries (None where no event crossed it), to which later segments'
+        waits on the break's events and streams add."""
         self._in_break = False
-        return self._break
+        recorded.ordering = self._break
+        self._last_break = recorded
 
     def break_discarded(self) -> None:
-        """The last break raised, or could not be recorded: nothing records its events at
-        replay, so a later segment's wait on one goes to CUDA, which refuses it."""
+        """The break raised, or could not be recorded: nothing records its events at replay,
+        so a later segment's wait on one goes to CUDA, which refuses it."""
         self._in_break = False
         for event, entry in self._recorded_on.items():
             if isinstance(entry, _BreakRecord) and entry.ordering is self._break:

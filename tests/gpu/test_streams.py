@@ -296,6 +296,55 @@ def test_a_break_waits_on_a_side_stream_whose_work_a_segment_captured():
     _originals_back()
 
 
+@bg.eager_on_graph
+def produce_on_side_without_an_event(x, buffer):
+    """Writes ``buffer`` on SIDE, late, and leaves SIDE unjoined: no event, the caller waits on the stream."""
+    SIDE.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(SIDE):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        buffer.copy_(torch.tanh(x))
+
+
+def wait_on_the_stream_a_break_used(x, buffer, waiter, breaks_after):
+    h = x * 2  # kept alive: SIDE reads it late
+    produce_on_side_without_an_event(h, buffer)
+    g = h + 1  # ahead of the wait: free to overlap the side stream's work
+    for _ in range(breaks_after):
+        g = attention(g, g)  # a later break that does not touch SIDE
+    main = torch.cuda.current_stream()
+    if waiter == "capture_stream":
+        main.wait_stream(SIDE)
+        return buffer * g
+    SIDE2.wait_stream(main)  # a side stream of the segment waits on SIDE, and the capture stream on it
+    SIDE2.wait_stream(SIDE)
+    with torch.cuda.stream(SIDE2):
+        out = buffer * g
+    main.wait_stream(SIDE2)
+    return out
+
+
+@pytest.mark.parametrize("breaks_after", [0, 1], ids=["latest_break", "earlier_break"])
+@pytest.mark.parametrize("waiter", ["capture_stream", "side_stream"])
+def test_a_segment_waits_on_a_side_stream_a_break_worked_on(waiter, breaks_after):
+    x, buffer = torch.randn(256, 256, device=DEV) / 16, torch.zeros(256, 256, device=DEV)
+    graph, _ = check_against_eager(
+        lambda x, buffer: wait_on_the_stream_a_break_used(x, buffer, waiter, breaks_after), [x, buffer], atol=1e-4, rtol=1e-4
+    )
+    latest_break = [s for s in graph.segments if s.kind == "eager"][-1]
+    assert latest_break.ordering.has_signals and not latest_break.ordering.has_followers
+    _originals_back()
+
+
+def test_a_wait_on_a_stream_outside_the_capture_before_any_break_is_refused_and_the_next_capture_works():
+    x = torch.randn(64, 64, device=DEV)
+    with pytest.raises(bg.StreamJoinError, match="no break came before the wait"):
+        with bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph()):
+            x.add_(1)
+            torch.cuda.current_stream().wait_stream(SIDE)
+    _originals_back()
+    test_break_inside_an_overlap_region()
+
+
 def test_original_methods_restored_after_failed_capture():
     with pytest.raises(ZeroDivisionError):
         with bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph()):
