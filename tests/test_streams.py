@@ -113,6 +113,8 @@ class TrackerMachine(RuleBasedStateMachine):
         self.events = {}
         self.breaks = []  # the breaks' segments, with what they keep for replay
         self.external_waits = []
+        self.break_worked = set()  # side streams a break waited or recorded on
+        self.caught_up = set()  # of those, the ones whose break work this segment's graph waits on
 
     def _join(self, capture_stream, side):
         assert capture_stream is self.main
@@ -134,6 +136,8 @@ class TrackerMachine(RuleBasedStateMachine):
         )
         self.sim.launch(stream)
         self.external_waits.append((stream, event))
+        if self.breaks and self.breaks[-1].ordering is not None and event is self.breaks[-1].ordering._signals.get(stream.cuda_stream, (None, None))[1]:
+            self.caught_up.add(stream.cuda_stream)
 
     streams = st.integers(0, 3)
 
@@ -142,8 +146,8 @@ class TrackerMachine(RuleBasedStateMachine):
 
     # The hooks' behaviour, replayed against the simulation.
     def wait_stream(self, waiter, source):
-        if self.sim.capturing(waiter) and not self.sim.capturing(source) and not self.breaks:
-            with pytest.raises(StreamJoinError, match="no break came before the wait"):
+        if self.sim.capturing(waiter) and not self.sim.capturing(source) and source.cuda_stream not in self.break_worked:
+            with pytest.raises(StreamJoinError, match="no break queued work that breakgraph saw"):
                 self.tracker.waited_on_uncaptured_stream(waiter, source)
             return
         if self.tracker.waited_on_uncaptured_stream(waiter, source):
@@ -193,11 +197,11 @@ class TrackerMachine(RuleBasedStateMachine):
         self.sim.wait(stream, event.deps, event.capturing)
         self.tracker.event_waited(event, stream)
 
-    @rule(in_break=st.lists(st.tuples(st.booleans(), streams, st.integers(0, 2)), max_size=4))
+    @rule(in_break=st.lists(st.tuples(st.sampled_from(["record", "wait", "queue"]), streams, st.integers(0, 2)), max_size=4))
     def segment_boundary(self, in_break):
-        """A segment ends, a break records and waits on events (eagerly), the next begins.
-        Uncaptured streams may have work of the break's: a later segment's wait on one must
-        wait on a signal the latest break records (checked in ``_wait_external``)."""
+        """A segment ends, a break records and waits on events and queues work on streams
+        (eagerly), the next begins. A later segment that waits on or forks a stream the
+        break queued work on must wait on a signal the latest break records."""
         self.joins.clear()
         self.tracker.segment_ending()
         assert not self.sim.unjoined(), "a forked stream was left unjoined at the segment end"
@@ -205,9 +209,13 @@ class TrackerMachine(RuleBasedStateMachine):
         self.sim.start()
         self.sim.frontier.clear()  # between segments nothing captures
         self.tracker.break_begun()
-        for records, i, name in in_break:
+        for action, i, name in in_break:
             stream = self.stream(i)
-            if records:
+            if stream is not self.main and (action != "wait" or name in self.events):
+                self.break_worked.add(stream.cuda_stream)  # the break waits or records on it
+            if action == "queue":  # stream.wait_stream(current) before queuing work on it
+                self.tracker.stream_waited_in_break(stream, self.main)
+            elif action == "record":
                 event = self.events.setdefault(name, FakeEvent())
                 event.deps, event.capturing, event.from_break = frozenset(), False, True
                 self.tracker.event_recorded_in_break(event, stream)
@@ -219,7 +227,14 @@ class TrackerMachine(RuleBasedStateMachine):
         self.breaks.append(RecordedBreak())
         self.tracker.break_ended(self.breaks[-1])
         self.sim.frontier[self.main.cuda_stream] = frozenset()
+        self.caught_up.clear()
         self.tracker.segment_begun()
+
+    @invariant()
+    def a_segment_waits_for_the_break_work_on_its_streams(self):
+        for sid in self.break_worked:
+            if sid in self.sim.frontier and sid != self.main.cuda_stream:
+                assert sid in self.caught_up, f"stream {sid:#x} takes part in a segment without waiting on a break's work on it"
 
     @invariant()
     def open_streams_are_capturing(self):
@@ -411,11 +426,12 @@ def test_a_wait_on_a_break_event_of_another_device_is_refused_with_the_fix():
 
 
 def test_a_segment_waiting_on_a_stream_a_break_used_waits_on_the_latest_breaks_signal():
-    """A segment's wait on a stream outside the capture (its work a break's) becomes an
+    """A segment's wait on a stream outside the capture that a break queued work on becomes an
     event-wait node on an event the latest recorded break's replay records on that stream,
     made when first needed; a break that raised is not the one."""
     tracker, main, _side, _ready, log = tracker_between_segments()
     comm, forked, outside = FakeStream(6), FakeStream(7), FakeStream(8)
+    tracker.stream_waited_in_break(comm, main)  # comm.wait_stream(current) before queuing work on it
     first = RecordedBreak()
     tracker.break_ended(first)
     assert first.ordering is None  # no event crossed it
@@ -436,19 +452,43 @@ def test_a_segment_waiting_on_a_stream_a_break_used_waits_on_the_latest_breaks_s
     assert not tracker.waited_on_uncaptured_stream(forked, main)  # a fork
 
 
+def test_a_stream_a_break_used_waits_for_that_work_when_a_later_segment_forks_it():
+    """Forked again in a later segment, or carried across the break, a stream the break queued
+    work on first waits, once a segment, on the latest break's signal on it."""
+    tracker, main, side, _ready, log = tracker_between_segments()
+    comm = FakeStream(6)
+    tracker.stream_waited_in_break(comm, main)
+    tracker.stream_waited_in_break(side, main)  # side is carried across the break, too
+    recorded = RecordedBreak()
+    tracker.break_ended(recorded)
+    tracker.segment_begun()  # forks side again
+    sim = log["sim"]
+    sim.start()
+    for _ in range(2):  # a fork, a join, a fork again
+        sim.wait_stream(comm, main)
+        tracker.stream_waited(comm, main)
+        tracker.stream_waited(main, comm)
+    signals = recorded.ordering._signals
+    assert log["waits"] == [(side, signals[side.cuda_stream][1]), (comm, signals[comm.cuda_stream][1])]
+
+
 def test_a_wait_on_an_uncaptured_stream_that_no_break_can_order_is_refused_with_the_fix():
     main, comm = FakeStream(1), FakeStream(2)
     sim = SimulatedCapture(main)
     tracker = ForkJoinTracker(main, sim.info, join=lambda c, s: None, fork=lambda s, c: None, wait_external=lambda s, e: None)
     tracker.segment_begun()
-    with pytest.raises(StreamJoinError, match=r"no break came before the wait.*outside the captured code.*@eager_on_graph"):
-        tracker.waited_on_uncaptured_stream(main, comm)
+    fix = r"no break queued work that breakgraph saw.*Fork a side stream into the capture.*@eager_on_graph"
+    with pytest.raises(StreamJoinError, match=fix):
+        tracker.waited_on_uncaptured_stream(main, comm)  # before any break
     tracker.segment_ending()
     tracker.break_begun()
+    elsewhere = FakeStream(3)
+    elsewhere.device_index = 1
+    tracker.stream_waited_in_break(elsewhere, main)
     end_break(tracker)
     tracker.segment_begun()
     sim.start()
-    elsewhere = FakeStream(3)
-    elsewhere.device_index = 1
-    with pytest.raises(StreamJoinError, match=r"on cuda:1, while the capture runs on cuda:0.*wait_stream"):
+    with pytest.raises(StreamJoinError, match=fix):
+        tracker.waited_on_uncaptured_stream(main, comm)  # no break used it
+    with pytest.raises(StreamJoinError, match=r"cuda:1, on which a break queued work, while the capture runs on cuda:0.*wait_stream"):
         tracker.waited_on_uncaptured_stream(main, elsewhere)

@@ -15,10 +15,10 @@ waits here at capture, and the break's replay keeps the order they asked for:
   the graphs launched before the break, which hold the work the event stood for.
   So does a stream that waits in a break on a side stream whose work a segment
   captured (``wait_stream``).
-- **A stream a break worked on, waited on in a later segment** (``wait_stream``
-  on a stream outside the capture). The segment waits on an event of
-  breakgraph's recorded on that stream after every replay of the latest break
-  before it, as for an event.
+- **A stream a break queued work on, used by a later segment** (waited on,
+  forked again, or carried across the break). The segment waits on an event
+  of breakgraph's recorded on that stream after every replay of the latest
+  break before it, as for an event.
 
 Work recorded on, or waited on by, the capture stream itself needs none of this:
 at replay the replay stream runs the graphs and the breaks in order.

@@ -10,8 +10,8 @@ it forks those streams again, so model code keeps using them across a break.
 
 An event recorded in a break and waited on in a later segment, or recorded
 in a segment and waited on in a later break, crosses a segment boundary, which
-CUDA refuses, and so does a segment's wait on a stream whose work a break ran
-eagerly: the tracker hands such waits to the break's
+CUDA refuses; so does a stream a break queued work on, used by a later
+segment: the tracker hands such waits to the break's
 :class:`~breakgraph.recording.break_ordering.BreakOrdering`, which keeps their
 order at replay.
 
@@ -35,7 +35,8 @@ class CaptureInfoProvider(Protocol):
 
 
 class StreamJoinError(RuntimeError):
-    """A side stream cannot be joined back into the capture stream."""
+    """A side stream cannot be joined back into the capture stream, or a segment's wait on
+    a stream outside the capture cannot be ordered at replay."""
 
 
 def _stream_id(stream: torch.cuda.Stream) -> int:
@@ -104,12 +105,16 @@ class ForkJoinTracker:
         self._in_break = False  # while a break's function runs
         self._break: BreakOrdering | None = None  # that break's, made once an event crosses it
         self._last_break: RecordedBreak | None = None  # the latest break recorded for replay
+        self._break_streams: set[int] = set()  # side streams a break waited or recorded on: it queued work there
+        self._caught_up: set[int] = set()  # of those, the ones this segment's graph waits on already
 
     # -- segment boundaries ---------------------------------------------------
     def segment_begun(self) -> None:
         """Fork again the streams that were open when the previous segment ended."""
         self._capture_id = None
         self._segment_number += 1
+        if self._caught_up:
+            self._caught_up = set()
         if not self._carry:  # the common case: no side stream was open
             return
         carry, self._carry = self._carry, []
@@ -215,35 +220,51 @@ class ForkJoinTracker:
         return True
 
     def waited_on_uncaptured_stream(self, waiter: torch.cuda.Stream, source: torch.cuda.Stream) -> bool:
-        """``waiter``, in the open segment, waits on ``source``, which is not in the capture:
-        its work so far ran eagerly (in breaks). True where the wait is made here, as CUDA
-        refuses it: ``waiter`` waits on an event the latest break's replay records on
-        ``source`` (an event-wait node), so at replay the graph waits for what every break
-        up to it queued there. False where the wait is CUDA's to make: ``source`` is in the
-        capture, or ``waiter`` is not."""
-        if _stream_id(source) == _stream_id(self.capture_stream) or self._capture_info(source).status is not CaptureStatus.NONE:
+        """``waiter``, in the open segment, waits on ``source``, which is not in the capture.
+        True where the wait is made here, as CUDA refuses it: a break queued work on
+        ``source``, and ``waiter`` waits on an event the latest break's replay records there
+        (an event-wait node), so at replay the graph waits for what every break up to it
+        queued on ``source``. False where the wait is CUDA's to make: ``source`` is in the
+        capture, or ``waiter`` is not. Raises where no break's replay can stand for
+        ``source``'s work."""
+        sid = _stream_id(source)
+        if sid == _stream_id(self.capture_stream) or sid in self._streams or self._capture_info(source).status is not CaptureStatus.NONE:
             return False
         if _stream_id(waiter) != _stream_id(self.capture_stream):
             info = self._capture_info(waiter)
             if info.status is not CaptureStatus.ACTIVE or info.capture_id != self.capture_id:
                 return False
-        where = f"a segment waits on stream {_stream_id(source):#x}, which is not in the capture"
-        if source.device_index != self.capture_stream.device_index:
+        if not self._worked_on_in_a_break(source):
             raise StreamJoinError(
-                f"{where}, on cuda:{source.device_index}, while the capture runs on cuda:{self.capture_stream.device_index}: "
-                "breakgraph orders a break's streams on the capture's device only; make the break wait for that "
-                "stream before it returns (torch.cuda.current_stream().wait_stream(...))"
+                f"a segment waits on stream {sid:#x}, which is not in the capture, and on which no break queued "
+                "work that breakgraph saw: its work ran outside the graphs (before the capture, or in this segment "
+                "without forking it first), which a graph cannot wait on. Fork a side stream into the capture "
+                "before using it (side.wait_stream(torch.cuda.current_stream())), or wait on it outside the "
+                "captured code or inside an @eager_on_graph function"
             )
-        if self._last_break is None:
-            raise StreamJoinError(
-                f"{where}, and no break came before the wait: its work ran before the capture, which a graph "
-                "cannot wait on. Wait on it outside the captured code (before the `with` block or the graphed "
-                "call, and before each replay), or inside an @eager_on_graph function"
-            )
-        if self._last_break.ordering is None:
-            self._last_break.ordering = BreakOrdering()
-        self._wait_external(waiter, self._last_break.ordering.signal_on(_stream_id(source)))
+        self._wait_external(waiter, self._latest_break_ordering().signal_on(sid))
         return True
+
+    def _worked_on_in_a_break(self, stream: torch.cuda.Stream) -> bool:
+        """Whether a recorded break waited or recorded on ``stream`` (the hooks see no more of
+        what it queued there). Refused for another device's stream: the signal lives on the
+        capture's."""
+        if self._last_break is None or _stream_id(stream) not in self._break_streams:
+            return False
+        if stream.device_index != self.capture_stream.device_index:
+            raise StreamJoinError(
+                f"a segment uses stream {_stream_id(stream):#x} of cuda:{stream.device_index}, on which a break "
+                f"queued work, while the capture runs on cuda:{self.capture_stream.device_index}: breakgraph orders "
+                "a break's streams on the capture's device only; make the break wait for that stream before it "
+                "returns (torch.cuda.current_stream().wait_stream(...))"
+            )
+        return True
+
+    def _latest_break_ordering(self) -> BreakOrdering:
+        latest = self._last_break
+        if latest.ordering is None:
+            latest.ordering = BreakOrdering()
+        return latest.ordering
 
     def _follow_capture_stream(self, stream: torch.cuda.Stream) -> None:
         """``stream`` waits on the capture stream's work so far: a fork, where it is another."""
@@ -279,6 +300,7 @@ class ForkJoinTracker:
 
     def event_recorded_in_break(self, event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
         if self._in_break:
+            self._note_break_stream(stream)
             self._recorded_on[event] = _BreakRecord(stream, self._ordering())
         elif event in self._recorded_on:  # between segments, outside a break (a barrier's)
             self._recorded_on[event] = None
@@ -289,7 +311,10 @@ class ForkJoinTracker:
         and, before the break, at every replay. The first such wait records the event again
         on the capture stream, outside the capture: one recorded in a capture cannot be
         waited on outside it, nor at replay, by the break's own code."""
-        if not self._in_break or not isinstance(self._recorded_on.get(event), _SegmentRecord):
+        if not self._in_break:
+            return False
+        self._note_break_stream(stream)
+        if not isinstance(self._recorded_on.get(event), _SegmentRecord):
             return False
         self._follow_segments(stream)
         if event not in self._recorded_again:
@@ -300,7 +325,10 @@ class ForkJoinTracker:
     def stream_waited_in_break(self, waiter: torch.cuda.Stream, source: torch.cuda.Stream) -> None:
         """``waiter`` waits on ``source`` in a break: where ``source`` took part in a segment,
         its work there ran in the graphs, so ``waiter`` follows them too."""
-        if self._in_break and _stream_id(source) in self._took_part:
+        if not self._in_break:
+            return
+        self._note_break_stream(waiter)
+        if _stream_id(source) in self._took_part:
             self._follow_segments(waiter)
 
     def _follow_segments(self, stream: torch.cuda.Stream) -> None:
@@ -315,12 +343,23 @@ class ForkJoinTracker:
         if isinstance(entry, _SegmentRecord):
             self.stream_waited(stream, entry.stream, entry.info)
 
+    def _note_break_stream(self, stream: torch.cuda.Stream) -> None:
+        """A break waits or records on ``stream``: it queues work there, which a later segment
+        that uses the stream waits on."""
+        if _stream_id(stream) != _stream_id(self.capture_stream):
+            self._break_streams.add(_stream_id(stream))
+
     def _note_fork(self, stream: torch.cuda.Stream) -> None:
+        """``stream`` takes part in the open segment now; where a break queued work on it, the
+        segment's graph first waits on that work, as the stream's order asks."""
         sid = _stream_id(stream)
         self._took_part.add(sid)
         self._streams[sid] = stream
         self._open.add(sid)
         self._joined_at.pop(sid, None)
+        if sid not in self._caught_up and self._worked_on_in_a_break(stream):
+            self._caught_up.add(sid)
+            self._wait_external(stream, self._latest_break_ordering().signal_on(sid))
 
     @property
     def open_streams(self) -> tuple[int, ...]:

@@ -335,9 +335,36 @@ def test_a_segment_waits_on_a_side_stream_a_break_worked_on(waiter, breaks_after
     _originals_back()
 
 
+def use_the_side_stream_after_the_break(x, buffer, how):
+    main = torch.cuda.current_stream()
+    h = x * 2  # every tensor SIDE reads stays alive to the end
+    if how == "carried":
+        SIDE.wait_stream(main)
+        with torch.cuda.stream(SIDE):
+            g = h + 1  # left unjoined: SIDE is carried across the break
+    else:
+        g = h - 1
+    produce_on_side_without_an_event(g, buffer)
+    if how == "forked_again":
+        SIDE.wait_stream(main)
+    with torch.cuda.stream(SIDE):
+        out = buffer * g  # by SIDE's own order, after the break's work on it
+    main.wait_stream(SIDE)
+    return out
+
+
+@pytest.mark.parametrize("how", ["forked_again", "carried"])
+def test_a_segment_using_a_side_stream_a_break_worked_on_follows_that_work(how):
+    x, buffer = torch.randn(256, 256, device=DEV), torch.zeros(256, 256, device=DEV)
+    graph, _ = check_against_eager(lambda x, buffer: use_the_side_stream_after_the_break(x, buffer, how), [x, buffer])
+    eager_break = next(s for s in graph.segments if s.kind == "eager")
+    assert eager_break.ordering.has_signals
+    _originals_back()
+
+
 def test_a_wait_on_a_stream_outside_the_capture_before_any_break_is_refused_and_the_next_capture_works():
     x = torch.randn(64, 64, device=DEV)
-    with pytest.raises(bg.StreamJoinError, match="no break came before the wait"):
+    with pytest.raises(bg.StreamJoinError, match="no break queued work that breakgraph saw"):
         with bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph()):
             x.add_(1)
             torch.cuda.current_stream().wait_stream(SIDE)
