@@ -113,8 +113,10 @@ class TrackerMachine(RuleBasedStateMachine):
         self.events = {}
         self.breaks = []  # the breaks' segments, with what they keep for replay
         self.external_waits = []
-        self.break_worked = set()  # side streams a break waited or recorded on
-        self.caught_up = set()  # of those, the ones whose break work this segment's graph waits on
+        self.took_part = set()  # side streams that took part in an ended segment
+        self.last_break_on = {}  # side stream -> the number of the latest break that waited or recorded on it
+        self.signal_waits = {}  # event-wait node of the open segment -> (stream, break number) whose work it waits for
+        self.waited_before = {}  # side stream -> the latest break whose work on it an ended segment's graph waited for
 
     def _join(self, capture_stream, side):
         assert capture_stream is self.main
@@ -136,8 +138,21 @@ class TrackerMachine(RuleBasedStateMachine):
         )
         self.sim.launch(stream)
         self.external_waits.append((stream, event))
-        if self.breaks and self.breaks[-1].ordering is not None and event is self.breaks[-1].ordering._signals.get(stream.cuda_stream, (None, None))[1]:
-            self.caught_up.add(stream.cuda_stream)
+        for number, recorded in enumerate(self.breaks, 1):
+            for sid, (_, signal) in (recorded.ordering._signals.items() if recorded.ordering else ()):
+                if signal is event:
+                    self.signal_waits[next(iter(self.sim.frontier[stream.cuda_stream]))] = (sid, number)
+
+    def follows_break_work(self, waiter, source):
+        """Whether ``waiter``'s next work comes after what breaks queued on ``source``: an ended
+        segment's graph waited for it (later graphs follow that one), or an event-wait node
+        ``waiter`` depends on in this one."""
+        need = self.last_break_on.get(source.cuda_stream)
+        if need is None or self.waited_before.get(source.cuda_stream, 0) >= need:
+            return True
+        ancestors = self.sim.ancestors(self.sim.frontier.get(waiter.cuda_stream, ()))
+        waits = [self.signal_waits[node] for node in ancestors if node in self.signal_waits]
+        return any(sid == source.cuda_stream and number >= need for sid, number in waits)
 
     streams = st.integers(0, 3)
 
@@ -146,13 +161,13 @@ class TrackerMachine(RuleBasedStateMachine):
 
     # The hooks' behaviour, replayed against the simulation.
     def wait_stream(self, waiter, source):
-        if self.sim.capturing(waiter) and not self.sim.capturing(source) and source.cuda_stream not in self.break_worked:
+        known = source.cuda_stream in self.last_break_on or source.cuda_stream in self.took_part
+        if self.sim.capturing(waiter) and not self.sim.capturing(source) and not known:
             with pytest.raises(StreamJoinError, match="no break queued work that breakgraph saw"):
                 self.tracker.waited_on_uncaptured_stream(waiter, source)
             return
         if self.tracker.waited_on_uncaptured_stream(waiter, source):
-            # after what every break so far queued on the source: the latest break's replay signals
-            assert self.external_waits[-1] == (waiter, self.breaks[-1].ordering.signal_on(source.cuda_stream))
+            assert self.follows_break_work(waiter, source), "a wait on a stream a break used does not follow that work"
             return
         # CUDA refuses a capturing stream's wait on work outside the capture
         assert self.sim.capturing(source) or not self.sim.capturing(waiter), "a wait on an uncaptured stream reached CUDA"
@@ -206,13 +221,17 @@ class TrackerMachine(RuleBasedStateMachine):
         self.tracker.segment_ending()
         assert not self.sim.unjoined(), "a forked stream was left unjoined at the segment end"
         assert len(self.joins) == len(set(self.joins)), f"duplicate joins {self.joins}"
+        self.took_part |= set(self.sim.frontier) - {self.main.cuda_stream}
+        for sid, number in self.signal_waits.values():  # the graph ends after its event-wait nodes
+            self.waited_before[sid] = max(self.waited_before.get(sid, 0), number)
+        self.signal_waits.clear()
         self.sim.start()
         self.sim.frontier.clear()  # between segments nothing captures
         self.tracker.break_begun()
         for action, i, name in in_break:
             stream = self.stream(i)
             if stream is not self.main and (action != "wait" or name in self.events):
-                self.break_worked.add(stream.cuda_stream)  # the break waits or records on it
+                self.last_break_on[stream.cuda_stream] = len(self.breaks) + 1  # the break waits or records on it
             if action == "queue":  # stream.wait_stream(current) before queuing work on it
                 self.tracker.stream_waited_in_break(stream, self.main)
             elif action == "record":
@@ -227,14 +246,13 @@ class TrackerMachine(RuleBasedStateMachine):
         self.breaks.append(RecordedBreak())
         self.tracker.break_ended(self.breaks[-1])
         self.sim.frontier[self.main.cuda_stream] = frozenset()
-        self.caught_up.clear()
         self.tracker.segment_begun()
 
     @invariant()
-    def a_segment_waits_for_the_break_work_on_its_streams(self):
-        for sid in self.break_worked:
-            if sid in self.sim.frontier and sid != self.main.cuda_stream:
-                assert sid in self.caught_up, f"stream {sid:#x} takes part in a segment without waiting on a break's work on it"
+    def a_stream_in_a_segment_follows_the_breaks_work_on_it(self):
+        for side in self.sides:
+            if self.sim.capturing(side):
+                assert self.follows_break_work(side, side), f"{side} takes part in a segment before the breaks' work on it"
 
     @invariant()
     def open_streams_are_capturing(self):
@@ -454,22 +472,44 @@ def test_a_segment_waiting_on_a_stream_a_break_used_waits_on_the_latest_breaks_s
 
 def test_a_stream_a_break_used_waits_for_that_work_when_a_later_segment_forks_it():
     """Forked again in a later segment, or carried across the break, a stream the break queued
-    work on first waits, once a segment, on the latest break's signal on it."""
+    work on first waits on the latest break's signal on it; once: later segments follow that
+    graph, until a break queues work on the stream again."""
     tracker, main, side, _ready, log = tracker_between_segments()
-    comm = FakeStream(6)
+    comm, joined = FakeStream(6), FakeStream(7)
+    sim = log["sim"]
+
+    def segment_then_break(*touched):
+        tracker.segment_begun()  # forks the carried side stream again
+        sim.start()
+        for _ in range(2):  # a fork, a join, a fork again
+            for stream in (comm, joined):
+                sim.wait_stream(stream, main)
+                tracker.stream_waited(stream, main)
+                tracker.stream_waited(main, stream)
+        tracker.segment_ending()
+        tracker.break_begun()
+        for stream in touched:
+            tracker.stream_waited_in_break(stream, main)
+        recorded = RecordedBreak()
+        tracker.break_ended(recorded)
+        return recorded
+
     tracker.stream_waited_in_break(comm, main)
     tracker.stream_waited_in_break(side, main)  # side is carried across the break, too
-    recorded = RecordedBreak()
-    tracker.break_ended(recorded)
-    tracker.segment_begun()  # forks side again
-    sim = log["sim"]
-    sim.start()
-    for _ in range(2):  # a fork, a join, a fork again
-        sim.wait_stream(comm, main)
-        tracker.stream_waited(comm, main)
-        tracker.stream_waited(main, comm)
-    signals = recorded.ordering._signals
+    first = RecordedBreak()
+    tracker.break_ended(first)
+    second = segment_then_break()  # its graph waits for the first break's work on side and comm
+    signals = first.ordering._signals
     assert log["waits"] == [(side, signals[side.cuda_stream][1]), (comm, signals[comm.cuda_stream][1])]
+    segment_then_break(comm)  # waits for nothing more: the last graph did
+    assert len(log["waits"]) == 2 and second.ordering is None
+    tracker.segment_begun()  # the last break queued work on comm again
+    sim.start()
+    sim.wait_stream(comm, main)
+    tracker.stream_waited(comm, main)
+    assert len(log["waits"]) == 3 and log["waits"][-1][0] is comm
+    assert tracker.waited_on_uncaptured_stream(main, joined)  # its work is in earlier graphs: replay orders it
+    assert len(log["waits"]) == 3
 
 
 def test_a_wait_on_an_uncaptured_stream_that_no_break_can_order_is_refused_with_the_fix():
@@ -492,3 +532,18 @@ def test_a_wait_on_an_uncaptured_stream_that_no_break_can_order_is_refused_with_
         tracker.waited_on_uncaptured_stream(main, comm)  # no break used it
     with pytest.raises(StreamJoinError, match=r"cuda:1, on which a break queued work, while the capture runs on cuda:0.*wait_stream"):
         tracker.waited_on_uncaptured_stream(main, elsewhere)
+
+
+def test_a_conditional_body_waiting_on_a_stream_outside_the_capture_is_refused_before_cuda_is_asked():
+    """A body stream captures on its own (another capture id): CUDA would refuse the wait
+    there and fail the body's capture, so the tracker says what to do first."""
+    main, body, comm = FakeStream(1), FakeStream(2), FakeStream(3)
+    ids = {main: 1, body: 2}
+
+    def info(stream):
+        return CaptureInfo(CaptureStatus.ACTIVE, ids[stream]) if stream in ids else CaptureInfo(CaptureStatus.NONE)
+
+    tracker = ForkJoinTracker(main, info, join=lambda c, s: None, fork=lambda s, c: None, wait_external=lambda s, e: None)
+    tracker.segment_begun()
+    with pytest.raises(StreamJoinError, match=r"capturing a conditional body.*before the breakgraph.cond or while_loop"):
+        tracker.waited_on_uncaptured_stream(body, comm)

@@ -105,16 +105,21 @@ class ForkJoinTracker:
         self._in_break = False  # while a break's function runs
         self._break: BreakOrdering | None = None  # that break's, made once an event crosses it
         self._last_break: RecordedBreak | None = None  # the latest break recorded for replay
-        self._break_streams: set[int] = set()  # side streams a break waited or recorded on: it queued work there
-        self._caught_up: set[int] = set()  # of those, the ones this segment's graph waits on already
+        # Side streams a break waited or recorded on (so queued work on), by the number of the
+        # segment before that break; and the number of the segment whose graph last waited on
+        # that work: later graphs follow that one, so only newer work needs a wait. Within the
+        # open segment, each waiting stream waits for itself.
+        self._break_work: dict[int, int] = {}
+        self._waited_for: dict[int, int] = {}
+        self._waits_this_segment: set[tuple[int, int]] = set()  # (waiter, source)
 
     # -- segment boundaries ---------------------------------------------------
     def segment_begun(self) -> None:
         """Fork again the streams that were open when the previous segment ended."""
         self._capture_id = None
         self._segment_number += 1
-        if self._caught_up:
-            self._caught_up = set()
+        if self._waits_this_segment:
+            self._waits_this_segment = set()
         if not self._carry:  # the common case: no side stream was open
             return
         carry, self._carry = self._carry, []
@@ -220,51 +225,64 @@ class ForkJoinTracker:
         return True
 
     def waited_on_uncaptured_stream(self, waiter: torch.cuda.Stream, source: torch.cuda.Stream) -> bool:
-        """``waiter``, in the open segment, waits on ``source``, which is not in the capture.
-        True where the wait is made here, as CUDA refuses it: a break queued work on
-        ``source``, and ``waiter`` waits on an event the latest break's replay records there
-        (an event-wait node), so at replay the graph waits for what every break up to it
-        queued on ``source``. False where the wait is CUDA's to make: ``source`` is in the
-        capture, or ``waiter`` is not. Raises where no break's replay can stand for
-        ``source``'s work."""
+        """``waiter``, capturing, waits on ``source``, which is not in the capture. True where
+        the wait is made here, as CUDA refuses it: where a break queued work on ``source``
+        that no graph waits for yet, ``waiter`` waits on an event the latest break's replay
+        records there (an event-wait node), so at replay the graph waits for what every
+        break up to it queued on ``source``; where earlier graphs hold ``source``'s work,
+        replay order keeps the wait. False where the wait is CUDA's to make: ``source`` is in
+        a capture, or ``waiter`` is in none. Raises where nothing stands for ``source``'s work,
+        or ``waiter`` captures a conditional body."""
         sid = _stream_id(source)
         if sid == _stream_id(self.capture_stream) or sid in self._streams or self._capture_info(source).status is not CaptureStatus.NONE:
             return False
         if _stream_id(waiter) != _stream_id(self.capture_stream):
             info = self._capture_info(waiter)
-            if info.status is not CaptureStatus.ACTIVE or info.capture_id != self.capture_id:
+            if info.status is not CaptureStatus.ACTIVE:
                 return False
-        if not self._worked_on_in_a_break(source):
+            if info.capture_id != self.capture_id:
+                raise StreamJoinError(
+                    f"stream {_stream_id(waiter):#x}, capturing a conditional body, waits on stream {sid:#x}, which "
+                    "is not in the capture: a graph cannot wait there on work outside it. Make the wait before the "
+                    "breakgraph.cond or while_loop"
+                )
+        if sid in self._break_work and source.device_index != self.capture_stream.device_index:
             raise StreamJoinError(
-                f"a segment waits on stream {sid:#x}, which is not in the capture, and on which no break queued "
-                "work that breakgraph saw: its work ran outside the graphs (before the capture, or in this segment "
-                "without forking it first), which a graph cannot wait on. Fork a side stream into the capture "
-                "before using it (side.wait_stream(torch.cuda.current_stream())), or wait on it outside the "
-                "captured code or inside an @eager_on_graph function"
+                f"a segment waits on stream {sid:#x} of cuda:{source.device_index}, on which a break queued work, "
+                f"while the capture runs on cuda:{self.capture_stream.device_index}: breakgraph orders a break's "
+                "streams on the capture's device only; make the break wait for that stream before it returns "
+                "(torch.cuda.current_stream().wait_stream(...))"
             )
-        self._wait_external(waiter, self._latest_break_ordering().signal_on(sid))
-        return True
+        if self._wait_for_break_work(waiter, source) or sid in self._break_work or sid in self._took_part:
+            return True
+        raise StreamJoinError(
+            f"a segment waits on stream {sid:#x}, which is not in the capture, and on which no break queued work "
+            "that breakgraph saw: its work ran outside the graphs (before the capture, or in this segment without "
+            "forking it first), which a graph cannot wait on. Fork a side stream into the capture before using it "
+            "(side.wait_stream(torch.cuda.current_stream())), or wait on it outside the captured code or inside an "
+            "@eager_on_graph function"
+        )
 
-    def _worked_on_in_a_break(self, stream: torch.cuda.Stream) -> bool:
-        """Whether a recorded break waited or recorded on ``stream`` (the hooks see no more of
-        what it queued there). Refused for another device's stream: the signal lives on the
-        capture's."""
-        if self._last_break is None or _stream_id(stream) not in self._break_streams:
+    def _wait_for_break_work(self, waiter: torch.cuda.Stream, source: torch.cuda.Stream) -> bool:
+        """Make ``waiter`` (capturing) wait for the work breaks queued on ``source`` that no
+        earlier graph waits for, nor ``waiter`` in this one, on the latest recorded break's
+        signal there; whether it did."""
+        sid, pair = _stream_id(source), (_stream_id(waiter), _stream_id(source))
+        if (
+            self._last_break is None
+            or sid not in self._break_work
+            or self._break_work[sid] < self._waited_for.get(sid, 0) < self._segment_number
+            or pair in self._waits_this_segment
+            or source.device_index != self.capture_stream.device_index
+        ):
             return False
-        if stream.device_index != self.capture_stream.device_index:
-            raise StreamJoinError(
-                f"a segment uses stream {_stream_id(stream):#x} of cuda:{stream.device_index}, on which a break "
-                f"queued work, while the capture runs on cuda:{self.capture_stream.device_index}: breakgraph orders "
-                "a break's streams on the capture's device only; make the break wait for that stream before it "
-                "returns (torch.cuda.current_stream().wait_stream(...))"
-            )
-        return True
-
-    def _latest_break_ordering(self) -> BreakOrdering:
         latest = self._last_break
         if latest.ordering is None:
             latest.ordering = BreakOrdering()
-        return latest.ordering
+        self._wait_external(waiter, latest.ordering.signal_on(sid))
+        self._waited_for[sid] = self._segment_number
+        self._waits_this_segment.add(pair)
+        return True
 
     def _follow_capture_stream(self, stream: torch.cuda.Stream) -> None:
         """``stream`` waits on the capture stream's work so far: a fork, where it is another."""
@@ -347,7 +365,7 @@ class ForkJoinTracker:
         """A break waits or records on ``stream``: it queues work there, which a later segment
         that uses the stream waits on."""
         if _stream_id(stream) != _stream_id(self.capture_stream):
-            self._break_streams.add(_stream_id(stream))
+            self._break_work[_stream_id(stream)] = self._segment_number
 
     def _note_fork(self, stream: torch.cuda.Stream) -> None:
         """``stream`` takes part in the open segment now; where a break queued work on it, the
@@ -357,9 +375,8 @@ class ForkJoinTracker:
         self._streams[sid] = stream
         self._open.add(sid)
         self._joined_at.pop(sid, None)
-        if sid not in self._caught_up and self._worked_on_in_a_break(stream):
-            self._caught_up.add(sid)
-            self._wait_external(stream, self._latest_break_ordering().signal_on(sid))
+        if sid in self._break_work:
+            self._wait_for_break_work(stream, stream)
 
     @property
     def open_streams(self) -> tuple[int, ...]:

@@ -320,6 +320,19 @@ def test_a_while_loop_body_refuses_a_break_and_a_cpu_carry_is_refused():
     _assert_next_capture_works()
 
 
+_OUTSIDE = torch.cuda.Stream() if torch.cuda.is_available() else None
+
+
+def test_a_body_waiting_on_a_stream_outside_the_capture_is_refused_and_leaves_nothing_behind():
+    x = torch.randn(6, device=DEV)
+    graph = bg.BreakableCUDAGraph()
+    with pytest.raises(bg.StreamJoinError, match="capturing a conditional body"):
+        with bg.BreakableCUDAGraphCapture(graph):
+            bg.cond(x.sum() > 0, lambda a: torch.cuda.current_stream().wait_stream(_OUTSIDE) or a + 1, lambda a: a * 2, x)
+    assert not graph.captured
+    _assert_next_capture_works()
+
+
 def test_a_body_error_caught_inside_the_capture_still_fails_the_capture():
     x = torch.randn(6, device=DEV)
     graph = bg.BreakableCUDAGraph()
