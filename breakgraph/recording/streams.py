@@ -11,9 +11,9 @@ it forks those streams again, so model code keeps using them across a break.
 An event recorded in a break and waited on in a later segment, or recorded
 in a segment and waited on in a later break, crosses a segment boundary, which
 CUDA refuses; so does a stream a break queued work on, used by a later
-segment: the tracker hands such waits to the break's
-:class:`~breakgraph.recording.break_ordering.BreakOrdering`, which keeps their
-order at replay.
+segment (:mod:`breakgraph.recording.break_streams`): the tracker hands such
+waits to the break's :class:`~breakgraph.recording.break_ordering.BreakOrdering`,
+which keeps their order at replay.
 
 The hooks that report to the tracker live in :mod:`breakgraph.recording.stream_hooks`.
 """
@@ -27,6 +27,7 @@ import torch
 import breakgraph_bindings as bindings
 from breakgraph_bindings import CaptureInfo, CaptureStatus
 from breakgraph.recording.break_ordering import BreakOrdering
+from breakgraph.recording.break_streams import BreakStreams, RecordedBreak
 from breakgraph.recording.stream_hooks import original_record
 
 
@@ -41,13 +42,6 @@ class StreamJoinError(RuntimeError):
 
 def _stream_id(stream: torch.cuda.Stream) -> int:
     return stream.cuda_stream
-
-
-class RecordedBreak(Protocol):
-    """A break as a segment of the replay: what its replay orders across its boundaries
-    (None: nothing)."""
-
-    ordering: BreakOrdering | None
 
 
 class _SegmentRecord(NamedTuple):
@@ -104,22 +98,14 @@ class ForkJoinTracker:
         self._took_part: set[int] = set()  # every side stream seen in any segment
         self._in_break = False  # while a break's function runs
         self._break: BreakOrdering | None = None  # that break's, made once an event crosses it
-        self._last_break: RecordedBreak | None = None  # the latest break recorded for replay
-        # Side streams a break waited or recorded on (so queued work on), by the number of the
-        # segment before that break; and the number of the segment whose graph last waited on
-        # that work: later graphs follow that one, so only newer work needs a wait. Within the
-        # open segment, each waiting stream waits for itself.
-        self._break_work: dict[int, int] = {}
-        self._waited_for: dict[int, int] = {}
-        self._waits_this_segment: set[tuple[int, int]] = set()  # (waiter, source)
+        self._break_streams = BreakStreams(capture_stream, self._wait_external)
 
     # -- segment boundaries ---------------------------------------------------
     def segment_begun(self) -> None:
         """Fork again the streams that were open when the previous segment ended."""
         self._capture_id = None
         self._segment_number += 1
-        if self._waits_this_segment:
-            self._waits_this_segment = set()
+        self._break_streams.segment_begun()
         if not self._carry:  # the common case: no side stream was open
             return
         carry, self._carry = self._carry, []
@@ -246,14 +232,14 @@ class ForkJoinTracker:
                     "is not in the capture: a graph cannot wait there on work outside it. Make the wait before the "
                     "breakgraph.cond or while_loop"
                 )
-        if sid in self._break_work and source.device_index != self.capture_stream.device_index:
+        if sid in self._break_streams and source.device_index != self.capture_stream.device_index:
             raise StreamJoinError(
                 f"a segment waits on stream {sid:#x} of cuda:{source.device_index}, on which a break queued work, "
                 f"while the capture runs on cuda:{self.capture_stream.device_index}: breakgraph orders a break's "
                 "streams on the capture's device only; make the break wait for that stream before it returns "
                 "(torch.cuda.current_stream().wait_stream(...))"
             )
-        if self._wait_for_break_work(waiter, source) or sid in self._break_work or sid in self._took_part:
+        if self._break_streams.wait_for(waiter, source, self._segment_number) or sid in self._break_streams or sid in self._took_part:
             return True
         raise StreamJoinError(
             f"a segment waits on stream {sid:#x}, which is not in the capture, and on which no break queued work "
@@ -262,27 +248,6 @@ class ForkJoinTracker:
             "(side.wait_stream(torch.cuda.current_stream())), or wait on it outside the captured code or inside an "
             "@eager_on_graph function"
         )
-
-    def _wait_for_break_work(self, waiter: torch.cuda.Stream, source: torch.cuda.Stream) -> bool:
-        """Make ``waiter`` (capturing) wait for the work breaks queued on ``source`` that no
-        earlier graph waits for, nor ``waiter`` in this one, on the latest recorded break's
-        signal there; whether it did."""
-        sid, pair = _stream_id(source), (_stream_id(waiter), _stream_id(source))
-        if (
-            self._last_break is None
-            or sid not in self._break_work
-            or self._break_work[sid] < self._waited_for.get(sid, 0) < self._segment_number
-            or pair in self._waits_this_segment
-            or source.device_index != self.capture_stream.device_index
-        ):
-            return False
-        latest = self._last_break
-        if latest.ordering is None:
-            latest.ordering = BreakOrdering()
-        self._wait_external(waiter, latest.ordering.signal_on(sid))
-        self._waited_for[sid] = self._segment_number
-        self._waits_this_segment.add(pair)
-        return True
 
     def _follow_capture_stream(self, stream: torch.cuda.Stream) -> None:
         """``stream`` waits on the capture stream's work so far: a fork, where it is another."""
@@ -301,7 +266,7 @@ class ForkJoinTracker:
         waits on the break's events and streams add."""
         self._in_break = False
         recorded.ordering = self._break
-        self._last_break = recorded
+        self._break_streams.latest = recorded
 
     def break_discarded(self) -> None:
         """The break raised, or could not be recorded: nothing records its events at replay,
@@ -365,7 +330,7 @@ class ForkJoinTracker:
         """A break waits or records on ``stream``: it queues work there, which a later segment
         that uses the stream waits on."""
         if _stream_id(stream) != _stream_id(self.capture_stream):
-            self._break_work[_stream_id(stream)] = self._segment_number
+            self._break_streams.worked_on(_stream_id(stream), self._segment_number)
 
     def _note_fork(self, stream: torch.cuda.Stream) -> None:
         """``stream`` takes part in the open segment now; where a break queued work on it, the
@@ -375,8 +340,8 @@ class ForkJoinTracker:
         self._streams[sid] = stream
         self._open.add(sid)
         self._joined_at.pop(sid, None)
-        if sid in self._break_work:
-            self._wait_for_break_work(stream, stream)
+        if sid in self._break_streams:
+            self._break_streams.wait_for(stream, stream, self._segment_number)
 
     @property
     def open_streams(self) -> tuple[int, ...]:
