@@ -367,7 +367,7 @@ def test_a_new_kind_of_segment_is_one_class(monkeypatch, tmp_path):
 class RecordingOrdering:
     """A break's ordering whose steps record themselves."""
 
-    has_followers = has_signals = True
+    runs_before = has_signals = True
 
     def __init__(self, log):
         self.log = log

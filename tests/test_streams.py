@@ -359,7 +359,7 @@ def test_a_break_orders_the_events_that_cross_its_boundaries():
     assert tracker.waited_in_break(ready, side)
     ordering = end_break(tracker)
     assert forks == [side] and records == [(ready, main)]  # the side stream follows; the event is usable again
-    assert ordering.has_followers and not ordering.has_signals
+    assert ordering.runs_before and not ordering.has_signals
     tracker.segment_begun()
     assert tracker.waited_in_segment(done, main)
     assert waits == [(main, ordering.signal_on(side.cuda_stream))] and ordering.has_signals
@@ -547,3 +547,23 @@ def test_a_conditional_body_waiting_on_a_stream_outside_the_capture_is_refused_b
     tracker.segment_begun()
     with pytest.raises(StreamJoinError, match=r"capturing a conditional body.*before the breakgraph.cond or while_loop"):
         tracker.waited_on_uncaptured_stream(body, comm)
+
+
+def test_a_break_that_waits_on_the_host_for_a_segments_event_records_it_now_and_before_every_replay():
+    """``synchronize()`` or ``query()`` in a break on an event a segment recorded: the event is
+    recorded again on the capture stream at once (once), and on the replay stream before every
+    replay of the break; the break's own events need neither."""
+    tracker, main, side, ready, log = tracker_between_segments()
+    ready.cuda_event = 0x51
+    tracker.synchronized_in_break(ready)
+    tracker.synchronized_in_break(ready)
+    done = FakeEvent()
+    done.cuda_event = 0x52
+    tracker.event_recorded_in_break(done, side)
+    tracker.synchronized_in_break(done)
+    ordering = end_break(tracker)
+    assert log["records"] == [(ready, main)]
+    assert list(ordering._recorded_before) == [0x51] and ordering.runs_before and not ordering._followers
+    tracker.segment_begun()
+    tracker.synchronized_in_break(ready)  # in a segment: CUDA's to refuse
+    assert log["records"] == [(ready, main)]

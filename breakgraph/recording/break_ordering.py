@@ -14,7 +14,9 @@ waits here at capture, and the break's replay keeps the order they asked for:
   of the break, the waiting stream waits on the replay stream's work so far:
   the graphs launched before the break, which hold the work the event stood for.
   So does a stream that waits in a break on a side stream whose work a segment
-  captured (``wait_stream``).
+  captured (``wait_stream``). **Synchronized with or queried in a later break**:
+  before every replay of the break, the event itself is recorded on the replay
+  stream, where it stands for those graphs.
 - **A stream a break queued work on, used by a later segment** (waited on,
   forked again, or carried across the break). The segment waits on an event
   of breakgraph's recorded on that stream after every replay of the latest
@@ -25,6 +27,8 @@ at replay the replay stream runs the graphs and the breaks in order.
 """
 
 from __future__ import annotations
+
+import torch
 
 import breakgraph_bindings as bindings
 from breakgraph_bindings import StreamHandle
@@ -38,10 +42,12 @@ class BreakOrdering:
         self._followers: dict[int, StreamHandle] = {}
         self._signals: dict[int, tuple[StreamHandle, bindings.Event]] = {}
         self._ready: bindings.Event | None = None  # what the followers wait on
+        self._recorded_before: dict[int, tuple[object, object]] = {}  # raw event -> (its owner, borrowed handle)
 
     @property
-    def has_followers(self) -> bool:
-        return bool(self._followers)
+    def runs_before(self) -> bool:
+        """Whether it has work before the break (:meth:`before`)."""
+        return bool(self._followers or self._recorded_before)
 
     @property
     def has_signals(self) -> bool:
@@ -53,6 +59,11 @@ class BreakOrdering:
             self._ready = bindings.Event()
         self._followers.setdefault(raw_stream, bindings.stream_handle(raw_stream))
 
+    def record_before(self, event: torch.cuda.Event) -> None:
+        """Before the break replays, record the user's ``event`` on the replay stream (it is
+        kept alive with the graph)."""
+        self._recorded_before.setdefault(event.cuda_event, (event, bindings.borrowed_event(event.cuda_event)))
+
     def signal_on(self, raw_stream: int) -> bindings.Event:
         """The event recorded on ``raw_stream`` (of the capture's device) after every replay of the break."""
         signal = self._signals.get(raw_stream)
@@ -61,10 +72,14 @@ class BreakOrdering:
         return signal[1]
 
     def before(self, replay_stream: StreamHandle) -> None:
-        """Order the followers after ``replay_stream``'s work so far (ahead of the break)."""
-        self._ready.record(replay_stream)
-        for follower in self._followers.values():
-            bindings.wait_event(follower, self._ready)
+        """Order the followers after ``replay_stream``'s work so far, and record the events
+        the break synchronizes with there (ahead of the break)."""
+        if self._followers:
+            self._ready.record(replay_stream)
+            for follower in self._followers.values():
+                bindings.wait_event(follower, self._ready)
+        for _event, handle in self._recorded_before.values():
+            bindings.record_event(handle, replay_stream)
 
     def after(self) -> None:
         """Record every signal on its stream (after the break)."""

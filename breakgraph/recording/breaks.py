@@ -57,7 +57,7 @@ class EagerSegment(Segment):
     ordering: BreakOrdering | None = None
 
     def emit(self, source: ReplaySource) -> None:
-        if self.ordering is not None and self.ordering.has_followers:
+        if self.ordering is not None and self.ordering.runs_before:
             source.python(f"{source.bind('follow', self.ordering.before)}({source.bind('stream', source.stream)})")
         self._emit_call(source)
         if self.ordering is not None and self.ordering.has_signals:

@@ -1,9 +1,11 @@
-"""The hooks on torch's ``Stream.wait_stream``, ``Event.record`` and ``Event.wait`` that
-report forks, joins and events to the capturing thread's fork/join tracker
-(:class:`breakgraph.recording.streams.ForkJoinTracker`).
+"""The hooks on torch's ``Stream.wait_stream``, ``Event.record``, ``Event.wait``,
+``Event.synchronize`` and ``Event.query`` that report forks, joins and events to the
+capturing thread's fork/join tracker (:class:`breakgraph.recording.streams.ForkJoinTracker`).
 
 They are installed when the first capture starts and removed when the last
-one ends (reference-counted under a lock). Outside a capture of the calling
+one ends (reference-counted under a lock). The body watch's refusal of
+``synchronize`` is installed over them only while a body captures, inside a
+capture, so it is always removed first. Outside a capture of the calling
 thread they call straight through to torch's methods; inside a segment they
 report to the tracker, and inside a break they report only the events that
 may cross it.
@@ -81,10 +83,25 @@ def _hooked_event_wait(original: Callable, event: torch.cuda.Event, stream: torc
         tracker.event_waited(event, stream)
 
 
+def _host_wait_hook(name: str) -> Callable:
+    """The hook of ``Event.<name>`` (``synchronize``, ``query``): in a break, the tracker first
+    makes a segment's event one the host can wait on, at capture and at replay."""
+
+    def hooked(self: torch.cuda.Event):
+        capture = _capture_here()
+        if capture is not None and not capture.segment_open:
+            capture.tracker.synchronized_in_break(self)
+        return _originals[(torch.cuda.Event, name)](self)
+
+    return hooked
+
+
 _HOOKS = {
     (torch.cuda.Stream, "wait_stream"): _hooked_wait_stream,
     (torch.cuda.Event, "record"): _hooked_event_record,
     (torch.cuda.Event, "wait"): _hooked_event_wait,
+    (torch.cuda.Event, "synchronize"): _host_wait_hook("synchronize"),
+    (torch.cuda.Event, "query"): _host_wait_hook("query"),
 }
 
 

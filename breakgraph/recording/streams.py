@@ -305,6 +305,18 @@ class ForkJoinTracker:
             self._recorded_again.add(event)
         return True
 
+    def synchronized_in_break(self, event: torch.cuda.Event) -> None:
+        """The host synchronizes with or queries ``event`` in a break. Where a segment recorded
+        it, it is recorded again on the capture stream, outside the capture, so the call is
+        valid now; and before every replay of the break on the replay stream, where it stands
+        for the graphs launched before the break, so the call waits for them then."""
+        if not self._in_break or not isinstance(self._recorded_on.get(event), _SegmentRecord):
+            return
+        self._ordering().record_before(event)
+        if event not in self._recorded_again:
+            self._record(event, self.capture_stream)
+            self._recorded_again.add(event)
+
     def stream_waited_in_break(self, waiter: torch.cuda.Stream, source: torch.cuda.Stream) -> None:
         """``waiter`` waits on ``source`` in a break: where ``source`` took part in a segment,
         its work there ran in the graphs, so ``waiter`` follows them too."""

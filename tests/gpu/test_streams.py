@@ -11,6 +11,8 @@ ORIGINALS = {
     "wait_stream": torch.cuda.Stream.__dict__["wait_stream"],
     "record": torch.cuda.Event.__dict__["record"],
     "wait": torch.cuda.Event.__dict__["wait"],
+    "synchronize": torch.cuda.Event.__dict__["synchronize"],
+    "query": torch.cuda.Event.__dict__["query"],
 }
 
 
@@ -18,6 +20,8 @@ def _originals_back():
     assert torch.cuda.Stream.__dict__["wait_stream"] is ORIGINALS["wait_stream"]
     assert torch.cuda.Event.__dict__["record"] is ORIGINALS["record"]
     assert torch.cuda.Event.__dict__["wait"] is ORIGINALS["wait"]
+    assert torch.cuda.Event.__dict__["synchronize"] is ORIGINALS["synchronize"]
+    assert torch.cuda.Event.__dict__["query"] is ORIGINALS["query"]
 
 
 @bg.eager_on_graph
@@ -190,7 +194,7 @@ def test_a_segment_waits_on_an_event_a_break_recorded_on_a_side_stream(kept):
     x, buffer = torch.randn(256, 256, device=DEV), torch.zeros(256, 256, device=DEV)
     graph, _ = check_against_eager(lambda x, buffer: wait_on_the_break_event(x, buffer, kept), [x, buffer])
     eager_break = next(s for s in graph.segments if s.kind == "eager")
-    assert eager_break.ordering.has_signals and not eager_break.ordering.has_followers
+    assert eager_break.ordering.has_signals and not eager_break.ordering.runs_before
     _originals_back()
 
 
@@ -215,7 +219,7 @@ def test_a_side_stream_waits_in_a_segment_on_an_event_the_break_recorded_on_the_
     graph, _ = check_against_eager(side_stream_waits_on_the_break, [x, buffer])
     assert SIDE.cuda_stream in graph.segments[-1].side_streams
     eager_break = next(s for s in graph.segments if s.kind == "eager")
-    assert not (eager_break.ordering.has_followers or eager_break.ordering.has_signals)  # the replay stream orders it
+    assert not (eager_break.ordering.runs_before or eager_break.ordering.has_signals)  # the replay stream orders it
     _originals_back()
 
 
@@ -242,7 +246,7 @@ def test_a_break_waits_on_an_event_a_segment_recorded(on_side):
     x = torch.randn(256, 256, device=DEV)
     graph, _ = check_against_eager(lambda x: break_waits_on_the_segment_event(x, on_side), [x])
     eager_break = next(s for s in graph.segments if s.kind == "eager")
-    assert (eager_break.ordering is not None and eager_break.ordering.has_followers) == on_side
+    assert (eager_break.ordering is not None and eager_break.ordering.runs_before) == on_side
     CROSSING["ready"].synchronize()  # recorded again outside the capture: usable after it
     _originals_back()
 
@@ -292,7 +296,7 @@ def side_stream_work_then_a_break_waits_on_it(x):
 def test_a_break_waits_on_a_side_stream_whose_work_a_segment_captured():
     graph, _ = check_against_eager(side_stream_work_then_a_break_waits_on_it, [torch.randn(256, 256, device=DEV)])
     eager_break = next(s for s in graph.segments if s.kind == "eager")
-    assert eager_break.ordering.has_followers
+    assert eager_break.ordering.runs_before
     _originals_back()
 
 
@@ -331,7 +335,7 @@ def test_a_segment_waits_on_a_side_stream_a_break_worked_on(waiter, breaks_after
         lambda x, buffer: wait_on_the_stream_a_break_used(x, buffer, waiter, breaks_after), [x, buffer], atol=1e-4, rtol=1e-4
     )
     latest_break = [s for s in graph.segments if s.kind == "eager"][-1]
-    assert latest_break.ordering.has_signals and not latest_break.ordering.has_followers
+    assert latest_break.ordering.has_signals and not latest_break.ordering.runs_before
     _originals_back()
 
 
@@ -370,6 +374,36 @@ def test_a_wait_on_a_stream_outside_the_capture_before_any_break_is_refused_and_
             torch.cuda.current_stream().wait_stream(SIDE)
     _originals_back()
     test_break_inside_an_overlap_region()
+
+
+PINNED = torch.empty(256, pin_memory=True) if torch.cuda.is_available() else None
+
+
+@bg.eager_on_graph
+def read_the_host_copy(x, how):
+    """Waits on the host for the event a segment recorded after its copy to the host, then reads the copy."""
+    copied = CROSSING["copied"]
+    if how == "synchronize":
+        copied.synchronize()
+    else:
+        while not copied.query():
+            pass
+    return x + PINNED.to(x.device)
+
+
+def copy_to_the_host_then_read_it_in_a_break(x, how):
+    torch.cuda._sleep(SLEEP_CYCLES)
+    PINNED.copy_(torch.tanh(x), non_blocking=True)  # captured: each replay copies anew, late
+    CROSSING["copied"] = torch.cuda.current_stream().record_event()
+    return read_the_host_copy(x, how)
+
+
+@pytest.mark.parametrize("how", ["synchronize", "query"])
+def test_a_break_waits_on_the_host_for_an_event_a_segment_recorded(how):
+    graph, _ = check_against_eager(lambda x: copy_to_the_host_then_read_it_in_a_break(x, how), [torch.randn(256, device=DEV)])
+    eager_break = next(s for s in graph.segments if s.kind == "eager")
+    assert eager_break.ordering.runs_before and not eager_break.ordering.has_signals
+    _originals_back()
 
 
 def test_original_methods_restored_after_failed_capture():
