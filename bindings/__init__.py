@@ -22,7 +22,7 @@ from .capture import (
     end_capture,
     exchange_capture_mode,
 )
-from .events import Event, borrowed_event, record_event, wait_event
+from .events import Event, wait_event
 from .graph import Graph, GraphExec, GraphLaunch, GraphUpdateRefused, LaunchStatus, device_count, launch_function, probe_devices
 from .memory import free_device_memory, graph_allocation_bytes, trim_graph_memory
 from .conditional import (
@@ -54,7 +54,6 @@ __all__ = [
     "add_conditional",
     "begin_body_capture",
     "begin_capture",
-    "borrowed_event",
     "capture_info",
     "capture_status",
     "check",
@@ -69,7 +68,6 @@ __all__ = [
     "launch_function",
     "new_stream",
     "probe_devices",
-    "record_event",
     "require_conditional_support",
     "set_conditional",
     "stream_handle",

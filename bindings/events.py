@@ -26,15 +26,9 @@ class Event(_Owned):
         check(cudart.cudaEventRecord(self.handle, stream_handle(stream)), "cudaEventRecord")
 
 
-def borrowed_event(raw_event: int) -> cudart.cudaEvent_t:
-    """A ``cudaEvent_t`` another library owns (torch's ``Event.cuda_event``), to record with
-    :func:`record_event`; its owner keeps it alive and destroys it."""
-    return cudart.cudaEvent_t(raw_event)
-
-
-def record_event(event: cudart.cudaEvent_t, stream: StreamLike) -> None:
-    """Make a borrowed ``event`` stand for ``stream``'s work queued so far (``cudaEventRecord``)."""
-    check(cudart.cudaEventRecord(event, stream_handle(stream)), "cudaEventRecord")
+    def synchronize(self) -> None:
+        """Block the host until the work it stands for is done (``cudaEventSynchronize``)."""
+        check(cudart.cudaEventSynchronize(self.handle), "cudaEventSynchronize")
 
 
 def wait_event(stream: StreamLike, event: Event, external: bool = False) -> None:

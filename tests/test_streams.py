@@ -549,21 +549,43 @@ def test_a_conditional_body_waiting_on_a_stream_outside_the_capture_is_refused_b
         tracker.waited_on_uncaptured_stream(body, comm)
 
 
-def test_a_break_that_waits_on_the_host_for_a_segments_event_records_it_now_and_before_every_replay():
+def test_a_break_that_waits_on_the_host_for_a_segments_event_waits_for_the_graphs_before_every_replay():
     """``synchronize()`` or ``query()`` in a break on an event a segment recorded: the event is
-    recorded again on the capture stream at once (once), and on the replay stream before every
-    replay of the break; the break's own events need neither."""
+    recorded again on the capture stream at once (once per segment that recorded it), and the
+    host waits for the replay stream's work before every replay of the break; the break's own
+    events need neither."""
     tracker, main, side, ready, log = tracker_between_segments()
-    ready.cuda_event = 0x51
     tracker.synchronized_in_break(ready)
     tracker.synchronized_in_break(ready)
     done = FakeEvent()
-    done.cuda_event = 0x52
     tracker.event_recorded_in_break(done, side)
     tracker.synchronized_in_break(done)
     ordering = end_break(tracker)
     assert log["records"] == [(ready, main)]
-    assert list(ordering._recorded_before) == [0x51] and ordering.runs_before and not ordering._followers
+    assert ordering.runs_before and ordering._host_waits and not ordering._followers
     tracker.segment_begun()
     tracker.synchronized_in_break(ready)  # in a segment: CUDA's to refuse
     assert log["records"] == [(ready, main)]
+    log["sim"].start()
+    tracker.event_recorded(ready, main)  # the model records the same event in a later segment
+    tracker.segment_ending()
+    tracker.break_begun()
+    assert tracker.waited_in_break(ready, side)
+    assert log["records"] == [(ready, main), (ready, main)]  # its new record is a capture's again
+
+
+def test_before_a_break_the_host_waits_for_the_replay_streams_work_where_the_break_did():
+    calls = []
+
+    class Ready:
+        def record(self, stream):
+            calls.append(("record", stream))
+
+        def synchronize(self):
+            calls.append(("synchronize",))
+
+    ordering = break_ordering.BreakOrdering()
+    ordering.wait_on_host()
+    ordering._ready = Ready()
+    ordering.before(0x77)
+    assert calls == [("record", 0x77), ("synchronize",)]

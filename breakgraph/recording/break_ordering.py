@@ -15,8 +15,9 @@ waits here at capture, and the break's replay keeps the order they asked for:
   the graphs launched before the break, which hold the work the event stood for.
   So does a stream that waits in a break on a side stream whose work a segment
   captured (``wait_stream``). **Synchronized with or queried in a later break**:
-  before every replay of the break, the event itself is recorded on the replay
-  stream, where it stands for those graphs.
+  before every replay of the break, the host waits for those graphs, whichever
+  event object the break's code then holds (one the model makes anew in eager
+  calls between replays included).
 - **A stream a break queued work on, used by a later segment** (waited on,
   forked again, or carried across the break). The segment waits on an event
   of breakgraph's recorded on that stream after every replay of the latest
@@ -27,8 +28,6 @@ at replay the replay stream runs the graphs and the breaks in order.
 """
 
 from __future__ import annotations
-
-import torch
 
 import breakgraph_bindings as bindings
 from breakgraph_bindings import StreamHandle
@@ -41,13 +40,13 @@ class BreakOrdering:
     def __init__(self) -> None:
         self._followers: dict[int, StreamHandle] = {}
         self._signals: dict[int, tuple[StreamHandle, bindings.Event]] = {}
-        self._ready: bindings.Event | None = None  # what the followers wait on
-        self._recorded_before: dict[int, tuple[object, object]] = {}  # raw event -> (its owner, borrowed handle)
+        self._ready: bindings.Event | None = None  # what the followers and the host wait on
+        self._host_waits = False
 
     @property
     def runs_before(self) -> bool:
         """Whether it has work before the break (:meth:`before`)."""
-        return bool(self._followers or self._recorded_before)
+        return bool(self._followers) or self._host_waits
 
     @property
     def has_signals(self) -> bool:
@@ -59,10 +58,11 @@ class BreakOrdering:
             self._ready = bindings.Event()
         self._followers.setdefault(raw_stream, bindings.stream_handle(raw_stream))
 
-    def record_before(self, event: torch.cuda.Event) -> None:
-        """Before the break replays, record the user's ``event`` on the replay stream (it is
-        kept alive with the graph)."""
-        self._recorded_before.setdefault(event.cuda_event, (event, bindings.borrowed_event(event.cuda_event)))
+    def wait_on_host(self) -> None:
+        """Before the break replays, the host waits for the replay stream's work so far."""
+        if self._ready is None:
+            self._ready = bindings.Event()
+        self._host_waits = True
 
     def signal_on(self, raw_stream: int) -> bindings.Event:
         """The event recorded on ``raw_stream`` (of the capture's device) after every replay of the break."""
@@ -72,14 +72,13 @@ class BreakOrdering:
         return signal[1]
 
     def before(self, replay_stream: StreamHandle) -> None:
-        """Order the followers after ``replay_stream``'s work so far, and record the events
-        the break synchronizes with there (ahead of the break)."""
-        if self._followers:
-            self._ready.record(replay_stream)
-            for follower in self._followers.values():
-                bindings.wait_event(follower, self._ready)
-        for _event, handle in self._recorded_before.values():
-            bindings.record_event(handle, replay_stream)
+        """Order the followers after ``replay_stream``'s work so far, and wait for that work on
+        the host where the break does (ahead of the break)."""
+        self._ready.record(replay_stream)
+        for follower in self._followers.values():
+            bindings.wait_event(follower, self._ready)
+        if self._host_waits:
+            self._ready.synchronize()
 
     def after(self) -> None:
         """Record every signal on its stream (after the break)."""

@@ -169,6 +169,7 @@ class ForkJoinTracker:
         info = self._capture_info(stream)
         if info.status is CaptureStatus.ACTIVE and info.capture_id == self.capture_id:
             self._recorded_on[event] = _SegmentRecord(stream, self._segment_number, info)
+            self._recorded_again.discard(event)  # its record is inside this capture again
         elif event in self._recorded_on:
             self._recorded_on[event] = None
 
@@ -308,11 +309,12 @@ class ForkJoinTracker:
     def synchronized_in_break(self, event: torch.cuda.Event) -> None:
         """The host synchronizes with or queries ``event`` in a break. Where a segment recorded
         it, it is recorded again on the capture stream, outside the capture, so the call is
-        valid now; and before every replay of the break on the replay stream, where it stands
-        for the graphs launched before the break, so the call waits for them then."""
+        valid now; and before every replay of the break the host waits for the graphs
+        launched so far, which hold the work the event stood for (the break's code may hold
+        another event object then, made by an eager call in between)."""
         if not self._in_break or not isinstance(self._recorded_on.get(event), _SegmentRecord):
             return
-        self._ordering().record_before(event)
+        self._ordering().wait_on_host()
         if event not in self._recorded_again:
             self._record(event, self.capture_stream)
             self._recorded_again.add(event)
