@@ -25,7 +25,6 @@ class Event(_Owned):
         """Stand for ``stream``'s work queued so far (``cudaEventRecord``)."""
         check(cudart.cudaEventRecord(self.handle, stream_handle(stream)), "cudaEventRecord")
 
-
     def synchronize(self) -> None:
         """Block the host until the work it stands for is done (``cudaEventSynchronize``)."""
         check(cudart.cudaEventSynchronize(self.handle), "cudaEventSynchronize")

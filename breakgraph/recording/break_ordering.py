@@ -54,15 +54,17 @@ class BreakOrdering:
 
     def follow(self, raw_stream: int) -> None:
         """Before the break replays, ``raw_stream`` waits on the replay stream's work so far."""
-        if self._ready is None:
-            self._ready = bindings.Event()
+        self._make_ready()
         self._followers.setdefault(raw_stream, bindings.stream_handle(raw_stream))
 
     def wait_on_host(self) -> None:
         """Before the break replays, the host waits for the replay stream's work so far."""
+        self._make_ready()
+        self._host_waits = True
+
+    def _make_ready(self) -> None:
         if self._ready is None:
             self._ready = bindings.Event()
-        self._host_waits = True
 
     def signal_on(self, raw_stream: int) -> bindings.Event:
         """The event recorded on ``raw_stream`` (of the capture's device) after every replay of the break."""

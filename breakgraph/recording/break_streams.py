@@ -29,7 +29,7 @@ class RecordedBreak(Protocol):
 class BreakStreams:
     """For one capture: the side streams breaks queued work on, each by the number of the
     segment before that break, and the number of the segment whose graph last waited for
-    that work. Within the open segment, each waiting stream waits for itself."""
+    that work. Within one segment, each waiting stream waits for itself."""
 
     def __init__(self, capture_stream: torch.cuda.Stream, wait_external: Callable[[torch.cuda.Stream, bindings.Event], None]):
         self._capture_stream = capture_stream
@@ -37,7 +37,7 @@ class BreakStreams:
         self.latest: RecordedBreak | None = None  # the latest break recorded for replay
         self._worked_in: dict[int, int] = {}
         self._waited_in: dict[int, int] = {}
-        self._waits_this_segment: set[tuple[int, int]] = set()  # (waiter, source)
+        self._waited_by: dict[tuple[int, int], int] = {}  # (waiter, source) -> the segment it waited in
 
     def __contains__(self, raw_stream: int) -> bool:
         """Whether a break queued work on ``raw_stream``."""
@@ -46,10 +46,6 @@ class BreakStreams:
     def worked_on(self, raw_stream: int, segment: int) -> None:
         """A break after segment number ``segment`` waits or records on ``raw_stream``."""
         self._worked_in[raw_stream] = segment
-
-    def segment_begun(self) -> None:
-        if self._waits_this_segment:
-            self._waits_this_segment = set()
 
     def wait_for(self, waiter: torch.cuda.Stream, source: torch.cuda.Stream, segment: int) -> bool:
         """Make ``waiter``, capturing segment number ``segment``, wait for the work breaks
@@ -61,13 +57,12 @@ class BreakStreams:
             self.latest is None
             or sid not in self._worked_in
             or self._worked_in[sid] < self._waited_in.get(sid, 0) < segment
-            or pair in self._waits_this_segment
+            or self._waited_by.get(pair) == segment
             or source.device_index != self._capture_stream.device_index
         ):
             return False
         if self.latest.ordering is None:
             self.latest.ordering = BreakOrdering()
         self._wait_external(waiter, self.latest.ordering.signal_on(sid))
-        self._waited_in[sid] = segment
-        self._waits_this_segment.add(pair)
+        self._waited_in[sid] = self._waited_by[pair] = segment
         return True

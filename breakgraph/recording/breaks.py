@@ -151,13 +151,7 @@ def run_inline(name: str, function: Callable, inline: Callable | bool | None, ar
 
 
 def record_break(
-    index: int,
-    name: str,
-    function: Callable,
-    args: tuple,
-    kwargs: dict,
-    result,
-    pool_usage: PoolUsage | None,
+    index: int, name: str, function: Callable, args: tuple, kwargs: dict, result, pool_usage: PoolUsage | None
 ) -> EagerSegment:
     """The eager segment that replays ``function(*args, **kwargs)``, which returned ``result`` at
     capture: arguments kept as non-owning aliases where they are plain tensors, the result

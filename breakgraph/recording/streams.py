@@ -105,7 +105,6 @@ class ForkJoinTracker:
         """Fork again the streams that were open when the previous segment ended."""
         self._capture_id = None
         self._segment_number += 1
-        self._break_streams.segment_begun()
         if not self._carry:  # the common case: no side stream was open
             return
         carry, self._carry = self._carry, []
@@ -153,7 +152,7 @@ class ForkJoinTracker:
     def stream_waited(self, waiter: torch.cuda.Stream, source: torch.cuda.Stream, source_info: CaptureInfo | None = None) -> None:
         """``waiter`` now waits on ``source``'s work (as of ``source_info``, default: now)."""
         info = self._capture_info(source) if source_info is None else source_info
-        if info.status is not CaptureStatus.ACTIVE or info.capture_id != self.capture_id:
+        if not self._in_this_capture(info):
             return  # source is not part of this capture: nothing forks or joins
         waiter_id, source_id = _stream_id(waiter), _stream_id(source)
         if waiter_id == source_id:
@@ -167,7 +166,7 @@ class ForkJoinTracker:
 
     def event_recorded(self, event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
         info = self._capture_info(stream)
-        if info.status is CaptureStatus.ACTIVE and info.capture_id == self.capture_id:
+        if self._in_this_capture(info):
             self._recorded_on[event] = _SegmentRecord(stream, self._segment_number, info)
             self._recorded_again.discard(event)  # its record is inside this capture again
         elif event in self._recorded_on:
@@ -196,15 +195,8 @@ class ForkJoinTracker:
         if entry is None or (isinstance(entry, _SegmentRecord) and entry.segment == self._segment_number):
             return False
         if isinstance(entry, _BreakRecord) and _stream_id(entry.stream) != _stream_id(self.capture_stream):
-            if entry.stream.device_index != self.capture_stream.device_index:
-                raise StreamJoinError(
-                    f"a segment waits on an event a break recorded on stream {_stream_id(entry.stream):#x} of "
-                    f"cuda:{entry.stream.device_index}, while the capture runs on cuda:{self.capture_stream.device_index}: "
-                    "breakgraph orders events across a break on the capture's device only; make the break wait "
-                    "for that stream before it returns (torch.cuda.current_stream().wait_stream(...))"
-                )
-            info = self._capture_info(stream)
-            if info.status is not CaptureStatus.ACTIVE or info.capture_id != self.capture_id:
+            self._require_capture_device(entry.stream, f"a segment waits on an event a break recorded on stream {_stream_id(entry.stream):#x}")
+            if not self._in_this_capture(self._capture_info(stream)):
                 self._follow_capture_stream(stream)
             self._wait_external(stream, entry.ordering.signal_on(_stream_id(entry.stream)))
         else:
@@ -233,13 +225,8 @@ class ForkJoinTracker:
                     "is not in the capture: a graph cannot wait there on work outside it. Make the wait before the "
                     "breakgraph.cond or while_loop"
                 )
-        if sid in self._break_streams and source.device_index != self.capture_stream.device_index:
-            raise StreamJoinError(
-                f"a segment waits on stream {sid:#x} of cuda:{source.device_index}, on which a break queued work, "
-                f"while the capture runs on cuda:{self.capture_stream.device_index}: breakgraph orders a break's "
-                "streams on the capture's device only; make the break wait for that stream before it returns "
-                "(torch.cuda.current_stream().wait_stream(...))"
-            )
+        if sid in self._break_streams:
+            self._require_capture_device(source, f"a segment waits on stream {sid:#x}", ", on which a break queued work")
         if self._break_streams.wait_for(waiter, source, self._segment_number) or sid in self._break_streams or sid in self._took_part:
             return True
         raise StreamJoinError(
@@ -249,6 +236,20 @@ class ForkJoinTracker:
             "(side.wait_stream(torch.cuda.current_stream())), or wait on it outside the captured code or inside an "
             "@eager_on_graph function"
         )
+
+    def _in_this_capture(self, info: CaptureInfo) -> bool:
+        """Whether ``info`` is of a stream capturing into the open segment."""
+        return info.status is CaptureStatus.ACTIVE and info.capture_id == self.capture_id
+
+    def _require_capture_device(self, stream: torch.cuda.Stream, what: str, which: str = "") -> None:
+        """Refuse ``what`` (on ``stream``, ``which``) where ``stream`` is another device's: a
+        break's signals live on the capture's."""
+        if stream.device_index != self.capture_stream.device_index:
+            raise StreamJoinError(
+                f"{what} of cuda:{stream.device_index}{which}, while the capture runs on cuda:{self.capture_stream.device_index}: "
+                "breakgraph orders a break's events and streams on the capture's device only; make the break wait "
+                "for that stream before it returns (torch.cuda.current_stream().wait_stream(...))"
+            )
 
     def _follow_capture_stream(self, stream: torch.cuda.Stream) -> None:
         """``stream`` waits on the capture stream's work so far: a fork, where it is another."""
@@ -301,9 +302,7 @@ class ForkJoinTracker:
         if not isinstance(self._recorded_on.get(event), _SegmentRecord):
             return False
         self._follow_segments(stream)
-        if event not in self._recorded_again:
-            self._record(event, self.capture_stream)
-            self._recorded_again.add(event)
+        self._record_again(event)
         return True
 
     def synchronized_in_break(self, event: torch.cuda.Event) -> None:
@@ -315,6 +314,11 @@ class ForkJoinTracker:
         if not self._in_break or not isinstance(self._recorded_on.get(event), _SegmentRecord):
             return
         self._ordering().wait_on_host()
+        self._record_again(event)
+
+    def _record_again(self, event: torch.cuda.Event) -> None:
+        """Record a segment's ``event`` on the capture stream, outside the capture, once per
+        segment record: one recorded in a capture cannot be waited on outside it."""
         if event not in self._recorded_again:
             self._record(event, self.capture_stream)
             self._recorded_again.add(event)
