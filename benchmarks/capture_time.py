@@ -26,8 +26,8 @@ batch of a size) is reported beside. Where Meta's library is not installed
 its variants are skipped with the reason printed.
 
 Every variant's replay is checked against eager first. A capture's time
-ends when its graphs are ready to replay; releasing earlier captures is not
-counted.
+ends when its graphs are ready to replay; releasing earlier captures, and
+freeing the memory their pools cached, is not counted.
 
     python -m benchmarks.capture_time [--quick] [--out results] [--layers 16]
 """
@@ -117,9 +117,16 @@ def capture_bare(n, x, stream):
 
 def timed_capture(make, repeats):
     """Median ms of ``make()`` over ``repeats``; every result is kept until the end, so
-    no capture pays for releasing an earlier one. Returns the ms and the last result."""
+    no capture pays for releasing an earlier one. Returns the ms and the last result.
+
+    The allocator's cache is emptied first, untimed: torch frees a dead graph pool's
+    memory only when the cache is emptied, which ``torch.cuda.graph`` does at every
+    capture and breakgraph at a capture's start once one of its pools has died, so the
+    variant timed next would otherwise pay ``cudaFree`` for the pools the variant before
+    it left (an engine starts with none)."""
     seconds, results = [], []
     for _ in range(repeats):
+        torch.cuda.empty_cache()
         torch.cuda.synchronize()
         start = time.perf_counter()
         results.append(make())
@@ -229,6 +236,7 @@ def startup_rows(config: DecoderConfig, sizes, repeats, meta_library) -> list[di
 
 def first_use_row(inputs: BatchInputs, sizes) -> dict:
     """A lazy runner serves at once: its first batch of a size pays that size's capture."""
+    torch.cuda.empty_cache()  # the pools of the captures before it, freed untimed (see timed_capture)
     started = time.perf_counter()
     runner = capture_breakgraph_sizes(inputs, sizes, lazy=True)
     ready_ms = (time.perf_counter() - started) * 1000
