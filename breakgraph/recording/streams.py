@@ -227,7 +227,9 @@ class ForkJoinTracker:
                 )
         if sid in self._break_streams:
             self._require_capture_device(source, f"a segment waits on stream {sid:#x}", ", on which a break queued work")
-        if self._break_streams.wait_for(waiter, source, self._segment_number) or sid in self._break_streams or sid in self._took_part:
+            self._break_streams.wait_for(waiter, source, self._segment_number)  # no-op where a graph waits already
+            return True
+        if sid in self._took_part:
             return True
         raise StreamJoinError(
             f"a segment waits on stream {sid:#x}, which is not in the capture, and on which no break queued work "
