@@ -392,3 +392,51 @@ def test_a_break_with_crossing_events_orders_its_streams_around_its_call():
     for step in plan.step_functions(bindings.stream_handle(0x77)):
         step()
     assert [name for name, _grad in log] == ["graph 0", "follow 0x77", "break 1", "signal", "graph 2"]
+
+
+class WritebackOrdering:
+    """A break's ordering whose writeback waits for a stream it left unjoined."""
+
+    runs_before = has_signals = False
+    joins_writeback = True
+
+    def __init__(self, log):
+        self.log = log
+
+    def before_writeback(self, stream):
+        self.log.step(f"join before writeback on {int(stream):#x}")
+
+    def after_writeback(self, stream):
+        self.log.step(f"fork after writeback on {int(stream):#x}")
+
+
+def test_a_break_that_left_a_stream_unjoined_writes_its_result_back_between_the_join_and_the_fork():
+    """Written back only after the join (the result may be that stream's work), then the stream
+    waits for the copy; a break that writes nothing back has neither."""
+    log = Log()
+    captured = torch.zeros(3)
+
+    def returns():
+        log.step("break 1")
+        return torch.full((3,), 2.0)
+
+    writes = EagerSegment(1, "break 1", returns, (), {}, make_writer("break 1", captured), result=captured)
+    writes.write = logged_writer(writes.write, log)
+    nothing = eager_segment(2, log)
+    writes.ordering = nothing.ordering = WritebackOrdering(log)
+    plan = ReplayPlan((FakeGraphSegment(0, log), writes, nothing))
+    replay(plan, stream=0x99)
+    assert [name for name, _grad in log] == [
+        "graph 0", "break 1", "join before writeback on 0x99", "write", "fork after writeback on 0x99", "break 2"
+    ]
+    assert torch.equal(captured, torch.full((3,), 2.0))
+
+
+def logged_writer(write, log):
+    def logged(result):
+        log.step("write")
+        return write(result)
+
+    logged.result_type = write.result_type
+    return logged
+

@@ -21,10 +21,13 @@ class RecordedBreak:
 
     ordering = None
 
+    def __init__(self, writes_back=False):
+        self.writes_back = writes_back
 
-def end_break(tracker):
+
+def end_break(tracker, writes_back=False):
     """End the running break, recorded as a segment; return what its replay orders."""
-    recorded = RecordedBreak()
+    recorded = RecordedBreak(writes_back)
     tracker.break_ended(recorded)
     return recorded.ordering
 
@@ -212,11 +215,15 @@ class TrackerMachine(RuleBasedStateMachine):
         self.sim.wait(stream, event.deps, event.capturing)
         self.tracker.event_waited(event, stream)
 
-    @rule(in_break=st.lists(st.tuples(st.sampled_from(["record", "wait", "queue"]), streams, st.integers(0, 2)), max_size=4))
-    def segment_boundary(self, in_break):
-        """A segment ends, a break records and waits on events and queues work on streams
-        (eagerly), the next begins. A later segment that waits on or forks a stream the
-        break queued work on must wait on a signal the latest break records."""
+    @rule(
+        in_break=st.lists(st.tuples(st.sampled_from(["record", "wait", "queue", "join"]), streams, st.integers(0, 2)), max_size=5),
+        writes_back=st.booleans(),
+    )
+    def segment_boundary(self, in_break, writes_back):
+        """A segment ends, a break records and waits on events, queues work on streams and
+        joins them (eagerly), the next begins. A later segment that waits on or forks a stream
+        the break queued work on must wait on a signal the latest break records; a break that
+        writes a result back waits first for the streams it left unjoined."""
         self.joins.clear()
         self.tracker.segment_ending()
         assert not self.sim.unjoined(), "a forked stream was left unjoined at the segment end"
@@ -228,23 +235,35 @@ class TrackerMachine(RuleBasedStateMachine):
         self.sim.start()
         self.sim.frontier.clear()  # between segments nothing captures
         self.tracker.break_begun()
+        unjoined, recorded_on = set(), {}  # this break's side streams the capture stream does not wait on; its events
         for action, i, name in in_break:
             stream = self.stream(i)
+            if action == "join":  # current.wait_stream(stream)
+                self.tracker.stream_waited_in_break(self.main, stream)
+                unjoined.discard(stream.cuda_stream)
+                continue
             if stream is not self.main and (action != "wait" or name in self.events):
                 self.last_break_on[stream.cuda_stream] = len(self.breaks) + 1  # the break waits or records on it
+                unjoined.add(stream.cuda_stream)
             if action == "queue":  # stream.wait_stream(current) before queuing work on it
                 self.tracker.stream_waited_in_break(stream, self.main)
             elif action == "record":
                 event = self.events.setdefault(name, FakeEvent())
                 event.deps, event.capturing, event.from_break = frozenset(), False, True
                 self.tracker.event_recorded_in_break(event, stream)
+                recorded_on[name] = stream.cuda_stream
             elif name in self.events:
                 event = self.events[name]
                 handled = self.tracker.waited_in_break(event, stream)
                 # CUDA refuses an eager wait on an event a capture recorded
                 assert handled or not event.capturing, "a break's wait on a captured event reached CUDA"
-        self.breaks.append(RecordedBreak())
+                if stream is self.main:  # the capture stream joins the stream this break recorded the event on
+                    unjoined.discard(recorded_on.get(name))
+        self.breaks.append(RecordedBreak(writes_back))
         self.tracker.break_ended(self.breaks[-1])
+        ordering = self.breaks[-1].ordering
+        waited_before_writeback = set(ordering._unjoined) if ordering is not None else set()
+        assert waited_before_writeback == (unjoined if writes_back else set()), "the writeback does not wait for the unjoined streams"
         self.sim.frontier[self.main.cuda_stream] = frozenset()
         self.tracker.segment_begun()
 
@@ -589,3 +608,60 @@ def test_before_a_break_the_host_waits_for_the_replay_streams_work_where_the_bre
     ordering._ready = Ready()
     ordering.before(0x77)
     assert calls == [("record", 0x77), ("synchronize",)]
+
+
+def test_a_break_returning_a_result_waits_for_the_side_streams_it_left_unjoined_before_writing_it_back():
+    """Forked in the break and not joined: the writeback waits for it. Joined by ``wait_stream``,
+    by the capture stream's wait on an event the break recorded there, or by the host's
+    ``synchronize()`` on one: it does not. Another device's stream is not waited for (its
+    events live elsewhere); a break that writes nothing back waits for nothing."""
+    tracker, main, side, _ready, _log = tracker_between_segments()
+    comm, by_stream, by_event, by_host = (FakeStream(handle) for handle in (6, 7, 8, 9))
+    elsewhere = FakeStream(10)
+    elsewhere.device_index = 1
+    for stream in (comm, by_stream, by_event, by_host, elsewhere):
+        tracker.stream_waited_in_break(stream, main)  # forked: stream.wait_stream(current)
+    tracker.stream_waited_in_break(main, by_stream)
+    done, finished, earlier = FakeEvent(), FakeEvent(), FakeEvent()
+    tracker.event_recorded_in_break(done, by_event)
+    tracker.waited_in_break(done, main)
+    tracker.event_recorded_in_break(finished, by_host)
+    tracker.synchronized_in_break(finished)
+    assert end_break(tracker, writes_back=True)._unjoined.keys() == {comm.cuda_stream}
+
+    tracker.segment_begun()
+    tracker.segment_ending()
+    tracker.break_begun()
+    tracker.event_recorded_in_break(earlier, comm)
+    assert end_break(tracker) is not None  # its event crosses; its result (None) has no writeback
+    tracker.segment_begun()
+    tracker.segment_ending()
+    tracker.break_begun()
+    tracker.stream_waited_in_break(comm, main)
+    tracker.waited_in_break(earlier, main)  # an earlier break's event: not this break's work on comm
+    assert end_break(tracker, writes_back=True)._unjoined.keys() == {comm.cuda_stream}
+    tracker.segment_begun()
+    tracker.segment_ending()
+    tracker.break_begun()
+    tracker.stream_waited_in_break(comm, main)
+    assert end_break(tracker, writes_back=False) is None
+
+
+def test_the_writeback_waits_for_the_unjoined_streams_which_then_wait_for_it(monkeypatch):
+    calls = []
+
+    class Event:
+        def __init__(self, name):
+            self.name = name
+
+        def record(self, stream):
+            calls.append((f"record {self.name}", int(stream)))
+
+    monkeypatch.setattr(break_ordering.bindings, "wait_event", lambda stream, event: calls.append((f"wait {event.name}", int(stream))))
+    ordering = break_ordering.BreakOrdering()
+    ordering.left_unjoined(0x6)
+    ordering._unjoined = {0x6: (0x6, Event("done"))}
+    ordering._written = Event("written")
+    ordering.before_writeback(0x77)
+    ordering.after_writeback(0x77)
+    assert calls == [("record done", 0x6), ("wait done", 0x77), ("record written", 0x77), ("wait written", 0x6)]

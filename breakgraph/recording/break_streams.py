@@ -21,9 +21,12 @@ from breakgraph.recording.break_ordering import BreakOrdering
 
 class RecordedBreak(Protocol):
     """A break as a segment of the replay: what its replay orders across its boundaries
-    (None: nothing)."""
+    (None: nothing), and whether it writes a result back."""
 
     ordering: BreakOrdering | None
+
+    @property
+    def writes_back(self) -> bool: ...
 
 
 class BreakStreams:

@@ -69,11 +69,24 @@ class EagerSegment(Segment):
             arguments += f", **{source.bind('kwargs', self.kwargs)}"
         call = f"{source.bind('function', self.function)}({arguments})"
         writer = source.bind("write", self.write)
-        if self.write.result_type is None:
+        if self.writes_back and self.ordering is not None and self.ordering.joins_writeback:
+            ordering, stream = source.bind("ordering", self.ordering), source.bind("stream", source.stream)
+            source.python(
+                f"result = {call}",
+                f"{ordering}.before_writeback({stream})",
+                f"{source.bind('segment', self)}.bytes_written = {writer}(result)",
+                f"{ordering}.after_writeback({stream})",
+            )
+        elif self.writes_back:
             source.python(f"{source.bind('segment', self)}.bytes_written = {writer}({call})")
         else:  # nothing to write (bytes_written stays 0): the writer only raises, where the type is not the captured one
             expected = source.bind("result_type", self.write.result_type)
             source.python(f"result = {call}", f"if type(result) is not {expected}:", f"    {writer}(result)")
+
+    @property
+    def writes_back(self) -> bool:
+        """Whether each replay copies a result into buffers later segments read."""
+        return self.write.result_type is None
 
     def table_cells(self) -> dict[str, Any]:
         return {"nodes": "", "bytes_written": self.bytes_written}

@@ -339,6 +339,34 @@ def test_a_segment_waits_on_a_side_stream_a_break_worked_on(waiter, breaks_after
     _originals_back()
 
 
+@bg.eager_on_graph
+def result_on_side_left_unjoined(x, kind):
+    """Returns what SIDE computes, late, and leaves SIDE unjoined: the caller waits on the
+    stream before reading the result, as eager code may."""
+    SIDE.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(SIDE):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        result = torch.tanh(x)
+    return result if kind == "tensor" else {"tanh": result, "sum": result.sum(0)}
+
+
+def read_a_result_left_on_a_side_stream(x, kind):
+    h = x * 2  # kept alive to the end: SIDE reads it late
+    out = result_on_side_left_unjoined(h, kind)
+    g = h + 1  # ahead of the wait: free to overlap the side stream's work
+    torch.cuda.current_stream().wait_stream(SIDE)
+    return out * g if kind == "tensor" else out["tanh"] * g + out["sum"]
+
+
+@pytest.mark.parametrize("kind", ["tensor", "dict"])
+def test_a_break_result_computed_on_a_side_stream_it_left_unjoined_is_written_back_after_that_work(kind):
+    x = torch.randn(256, 256, device=DEV)
+    graph, _ = check_against_eager(lambda x: read_a_result_left_on_a_side_stream(x, kind), [x], atol=1e-4, rtol=1e-4)
+    eager_break = next(s for s in graph.segments if s.kind == "eager")
+    assert eager_break.ordering.joins_writeback and eager_break.ordering.has_signals
+    _originals_back()
+
+
 def use_the_side_stream_after_the_break(x, buffer, how):
     main = torch.cuda.current_stream()
     h = x * 2  # every tensor SIDE reads stays alive to the end
