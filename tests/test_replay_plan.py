@@ -395,10 +395,10 @@ def test_a_break_with_crossing_events_orders_its_streams_around_its_call():
 
 
 class WritebackOrdering:
-    """A break's ordering whose writeback waits for a stream it left unjoined."""
+    """A break's ordering whose writeback waits for a side stream."""
 
     runs_before = has_signals = False
-    joins_writeback = True
+    orders_writeback = True
 
     def __init__(self, log):
         self.log = log
@@ -410,7 +410,7 @@ class WritebackOrdering:
         self.log.step(f"fork after writeback on {int(stream):#x}")
 
 
-def test_a_break_that_left_a_stream_unjoined_writes_its_result_back_between_the_join_and_the_fork():
+def test_a_break_that_worked_on_a_side_stream_writes_its_result_back_between_the_join_and_the_fork():
     """Written back only after the join (the result may be that stream's work), then the stream
     waits for the copy; a break that writes nothing back has neither."""
     log = Log()

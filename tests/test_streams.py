@@ -223,7 +223,8 @@ class TrackerMachine(RuleBasedStateMachine):
         """A segment ends, a break records and waits on events, queues work on streams and
         joins them (eagerly), the next begins. A later segment that waits on or forks a stream
         the break queued work on must wait on a signal the latest break records; a break that
-        writes a result back waits first for the streams it left unjoined."""
+        writes a result back waits first for every side stream it queued work on, joined or
+        not (it may queue more there after a join, unseen)."""
         self.joins.clear()
         self.tracker.segment_ending()
         assert not self.sim.unjoined(), "a forked stream was left unjoined at the segment end"
@@ -235,35 +236,31 @@ class TrackerMachine(RuleBasedStateMachine):
         self.sim.start()
         self.sim.frontier.clear()  # between segments nothing captures
         self.tracker.break_begun()
-        unjoined, recorded_on = set(), {}  # this break's side streams the capture stream does not wait on; its events
+        worked_on = set()  # the side streams this break queues work on
         for action, i, name in in_break:
             stream = self.stream(i)
             if action == "join":  # current.wait_stream(stream)
                 self.tracker.stream_waited_in_break(self.main, stream)
-                unjoined.discard(stream.cuda_stream)
                 continue
             if stream is not self.main and (action != "wait" or name in self.events):
                 self.last_break_on[stream.cuda_stream] = len(self.breaks) + 1  # the break waits or records on it
-                unjoined.add(stream.cuda_stream)
+                worked_on.add(stream.cuda_stream)
             if action == "queue":  # stream.wait_stream(current) before queuing work on it
                 self.tracker.stream_waited_in_break(stream, self.main)
             elif action == "record":
                 event = self.events.setdefault(name, FakeEvent())
                 event.deps, event.capturing, event.from_break = frozenset(), False, True
                 self.tracker.event_recorded_in_break(event, stream)
-                recorded_on[name] = stream.cuda_stream
             elif name in self.events:
                 event = self.events[name]
                 handled = self.tracker.waited_in_break(event, stream)
                 # CUDA refuses an eager wait on an event a capture recorded
                 assert handled or not event.capturing, "a break's wait on a captured event reached CUDA"
-                if stream is self.main:  # the capture stream joins the stream this break recorded the event on
-                    unjoined.discard(recorded_on.get(name))
         self.breaks.append(RecordedBreak(writes_back))
         self.tracker.break_ended(self.breaks[-1])
         ordering = self.breaks[-1].ordering
-        waited_before_writeback = set(ordering._unjoined) if ordering is not None else set()
-        assert waited_before_writeback == (unjoined if writes_back else set()), "the writeback does not wait for the unjoined streams"
+        waited_before_writeback = set(ordering._writeback_waits) if ordering is not None else set()
+        assert waited_before_writeback == (worked_on if writes_back else set()), "the writeback does not wait for the break's side streams"
         self.sim.frontier[self.main.cuda_stream] = frozenset()
         self.tracker.segment_begun()
 
@@ -610,11 +607,12 @@ def test_before_a_break_the_host_waits_for_the_replay_streams_work_where_the_bre
     assert calls == [("record", 0x77), ("synchronize",)]
 
 
-def test_a_break_returning_a_result_waits_for_the_side_streams_it_left_unjoined_before_writing_it_back():
-    """Forked in the break and not joined: the writeback waits for it. Joined by ``wait_stream``,
-    by the capture stream's wait on an event the break recorded there, or by the host's
-    ``synchronize()`` on one: it does not. Another device's stream is not waited for (its
-    events live elsewhere); a break that writes nothing back waits for nothing."""
+def test_a_break_returning_a_result_writes_it_back_after_its_side_streams_work_joined_or_not():
+    """Forked in the break, joined by ``wait_stream``, by the capture stream's wait on an event
+    the break recorded there, or by the host's ``synchronize()`` on one: the writeback waits
+    for each, as the break may queue more work there after the join, which the hooks do not
+    see. Another device's stream is not waited for (the events live on the capture's); a break
+    that writes nothing back, or that raised, waits for nothing."""
     tracker, main, side, _ready, _log = tracker_between_segments()
     comm, by_stream, by_event, by_host = (FakeStream(handle) for handle in (6, 7, 8, 9))
     elsewhere = FakeStream(10)
@@ -622,32 +620,32 @@ def test_a_break_returning_a_result_waits_for_the_side_streams_it_left_unjoined_
     for stream in (comm, by_stream, by_event, by_host, elsewhere):
         tracker.stream_waited_in_break(stream, main)  # forked: stream.wait_stream(current)
     tracker.stream_waited_in_break(main, by_stream)
-    done, finished, earlier = FakeEvent(), FakeEvent(), FakeEvent()
+    done, finished = FakeEvent(), FakeEvent()
     tracker.event_recorded_in_break(done, by_event)
     tracker.waited_in_break(done, main)
     tracker.event_recorded_in_break(finished, by_host)
     tracker.synchronized_in_break(finished)
-    assert end_break(tracker, writes_back=True)._unjoined.keys() == {comm.cuda_stream}
+    ordering = end_break(tracker, writes_back=True)
+    assert ordering.orders_writeback and ordering._writeback_waits.keys() == {6, 7, 8, 9}
 
-    tracker.segment_begun()
-    tracker.segment_ending()
-    tracker.break_begun()
-    tracker.event_recorded_in_break(earlier, comm)
-    assert end_break(tracker) is not None  # its event crosses; its result (None) has no writeback
-    tracker.segment_begun()
-    tracker.segment_ending()
-    tracker.break_begun()
-    tracker.stream_waited_in_break(comm, main)
-    tracker.waited_in_break(earlier, main)  # an earlier break's event: not this break's work on comm
-    assert end_break(tracker, writes_back=True)._unjoined.keys() == {comm.cuda_stream}
-    tracker.segment_begun()
-    tracker.segment_ending()
-    tracker.break_begun()
-    tracker.stream_waited_in_break(comm, main)
-    assert end_break(tracker, writes_back=False) is None
+    def next_break(*forked, raises=False, writes_back=True):
+        tracker.segment_begun()
+        tracker.segment_ending()
+        tracker.break_begun()
+        for stream in forked:
+            tracker.stream_waited_in_break(stream, main)
+        if raises:
+            tracker.break_discarded()
+            return None
+        return end_break(tracker, writes_back)
+
+    assert next_break(comm, writes_back=False) is None  # its result (None) has no writeback
+    assert next_break(comm, raises=True) is None
+    assert next_break() is None  # nothing of the break that raised is left over
+    assert next_break(elsewhere) is None
 
 
-def test_the_writeback_waits_for_the_unjoined_streams_which_then_wait_for_it(monkeypatch):
+def test_the_writeback_waits_for_the_side_streams_which_then_wait_for_it(monkeypatch):
     calls = []
 
     class Event:
@@ -659,8 +657,8 @@ def test_the_writeback_waits_for_the_unjoined_streams_which_then_wait_for_it(mon
 
     monkeypatch.setattr(break_ordering.bindings, "wait_event", lambda stream, event: calls.append((f"wait {event.name}", int(stream))))
     ordering = break_ordering.BreakOrdering()
-    ordering.left_unjoined(0x6)
-    ordering._unjoined = {0x6: (0x6, Event("done"))}
+    ordering.write_back_after(0x6)
+    ordering._writeback_waits = {0x6: (0x6, Event("done"))}
     ordering._written = Event("written")
     ordering.before_writeback(0x77)
     ordering.after_writeback(0x77)

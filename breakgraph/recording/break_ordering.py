@@ -22,9 +22,9 @@ waits here at capture, and the break's replay keeps the order they asked for:
   forked again, or carried across the break). The segment waits on an event
   of breakgraph's recorded on that stream after every replay of the latest
   break before it, as for an event.
-- **A side stream a break left unjoined, where it returns a result.** Its result
-  may be that stream's work, which the caller waits for later, as eager code may;
-  but replay copies the result into the graph's buffer as the break returns. So
+- **A side stream a break queued work on, where it returns a result.** Its result
+  may be that stream's work, which eager code may leave for the caller to wait on;
+  but replay copies the result into the graph's buffers as the break returns. So
   the replay stream waits for that stream before the copy, and the stream waits
   for the copy after it (the result's memory may be its, free again once copied).
 
@@ -48,8 +48,8 @@ class BreakOrdering:
         self._signals: dict[int, tuple[StreamHandle, bindings.Event]] = {}
         self._ready: bindings.Event | None = None  # what the followers and the host wait on
         self._host_waits = False
-        self._unjoined: dict[int, tuple[StreamHandle, bindings.Event]] = {}
-        self._written: bindings.Event | None = None  # what the unjoined streams wait on
+        self._writeback_waits: dict[int, tuple[StreamHandle, bindings.Event]] = {}
+        self._written: bindings.Event | None = None  # what those streams wait on after the writeback
 
     @property
     def runs_before(self) -> bool:
@@ -82,29 +82,29 @@ class BreakOrdering:
         return signal[1]
 
     @property
-    def joins_writeback(self) -> bool:
-        """Whether the result's writeback waits for streams the break left unjoined
+    def orders_writeback(self) -> bool:
+        """Whether the result's writeback waits for side streams
         (:meth:`before_writeback`, :meth:`after_writeback`)."""
-        return bool(self._unjoined)
+        return bool(self._writeback_waits)
 
-    def left_unjoined(self, raw_stream: int) -> None:
-        """The break left work on ``raw_stream`` (of the capture's device) that the replay
-        stream does not wait for: its result is written back only after that work."""
-        if raw_stream not in self._unjoined:
-            self._unjoined[raw_stream] = (bindings.stream_handle(raw_stream), bindings.Event())
+    def write_back_after(self, raw_stream: int) -> None:
+        """Write the break's result back only after the work it queued on ``raw_stream``
+        (of the capture's device)."""
+        if raw_stream not in self._writeback_waits:
+            self._writeback_waits[raw_stream] = (bindings.stream_handle(raw_stream), bindings.Event())
             self._written = self._written or bindings.Event()
 
     def before_writeback(self, replay_stream: StreamHandle) -> None:
-        """Make ``replay_stream`` wait for the work the break left on the unjoined streams."""
-        for stream, done in self._unjoined.values():
+        """Make ``replay_stream`` wait for the work queued so far on those side streams."""
+        for stream, done in self._writeback_waits.values():
             done.record(stream)
             bindings.wait_event(replay_stream, done)
 
     def after_writeback(self, replay_stream: StreamHandle) -> None:
-        """Make the unjoined streams wait for the writeback: their later work may reuse the
+        """Make those side streams wait for the writeback: their later work may reuse the
         memory of the result it copied."""
         self._written.record(replay_stream)
-        for stream, _done in self._unjoined.values():
+        for stream, _done in self._writeback_waits.values():
             bindings.wait_event(stream, self._written)
 
     def before(self, replay_stream: StreamHandle) -> None:

@@ -69,7 +69,7 @@ class EagerSegment(Segment):
             arguments += f", **{source.bind('kwargs', self.kwargs)}"
         call = f"{source.bind('function', self.function)}({arguments})"
         writer = source.bind("write", self.write)
-        if self.writes_back and self.ordering is not None and self.ordering.joins_writeback:
+        if self.writes_back and self.ordering is not None and self.ordering.orders_writeback:
             ordering, stream = source.bind("ordering", self.ordering), source.bind("stream", source.stream)
             source.python(
                 f"result = {call}",

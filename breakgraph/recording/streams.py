@@ -98,7 +98,7 @@ class ForkJoinTracker:
         self._took_part: set[int] = set()  # every side stream seen in any segment
         self._in_break = False  # while a break's function runs
         self._break: BreakOrdering | None = None  # that break's, made once an event crosses it
-        self._unjoined: dict[int, torch.cuda.Stream] = {}  # side streams the running break worked on and has not joined
+        self._break_side_streams: set[int] = set()  # the capture device's side streams that break worked on
         self._break_streams = BreakStreams(capture_stream, self._wait_external)
 
     # -- segment boundaries ---------------------------------------------------
@@ -269,14 +269,16 @@ class ForkJoinTracker:
         """The break is over, and ``recorded`` replays it: it takes what the break orders
         across its boundaries (None where no event crossed it), to which later segments'
         waits on the break's events and streams add. Where it writes a result back, the
-        writeback waits for the side streams of the capture's device that it left unjoined."""
+        writeback waits for what it queued on side streams of the capture's device: its result
+        may be their work, which eager code may leave for the caller to wait on. Whether the
+        break joined them is not asked: it may queue more work there after a join, which the
+        hooks do not see."""
         self._in_break = False
-        if self._unjoined:  # rare: most breaks touch no side stream
+        if self._break_side_streams:  # rare: most breaks touch no side stream
             if recorded.writes_back:
-                for sid, stream in self._unjoined.items():
-                    if stream.device_index == self.capture_stream.device_index:
-                        self._ordering().left_unjoined(sid)
-            self._unjoined.clear()
+                for sid in self._break_side_streams:
+                    self._ordering().write_back_after(sid)
+            self._break_side_streams.clear()
         recorded.ordering = self._break
         self._break_streams.latest = recorded
 
@@ -284,7 +286,7 @@ class ForkJoinTracker:
         """The break raised, or could not be recorded: nothing records its events at replay,
         so a later segment's wait on one goes to CUDA, which refuses it."""
         self._in_break = False
-        self._unjoined.clear()
+        self._break_side_streams.clear()
         for event, entry in self._recorded_on.items():
             if isinstance(entry, _BreakRecord) and entry.ordering is self._break:
                 self._recorded_on[event] = None
@@ -310,10 +312,7 @@ class ForkJoinTracker:
         if not self._in_break:
             return False
         self._note_break_stream(stream)
-        entry = self._recorded_on.get(event)
-        if _stream_id(stream) == _stream_id(self.capture_stream):
-            self._joined_in_break(entry)
-        if not isinstance(entry, _SegmentRecord):
+        if not isinstance(self._recorded_on.get(event), _SegmentRecord):
             return False
         self._follow_segments(stream)
         self._record_again(event)
@@ -325,11 +324,7 @@ class ForkJoinTracker:
         valid now; and before every replay of the break the host waits for the graphs
         launched so far, which hold the work the event stood for (the break's code may hold
         another event object then, made by an eager call in between)."""
-        if not self._in_break:
-            return
-        entry = self._recorded_on.get(event)
-        self._joined_in_break(entry)  # the host waited: what the replay stream does next follows
-        if not isinstance(entry, _SegmentRecord):
+        if not self._in_break or not isinstance(self._recorded_on.get(event), _SegmentRecord):
             return
         self._ordering().wait_on_host()
         self._record_again(event)
@@ -347,8 +342,6 @@ class ForkJoinTracker:
         if not self._in_break:
             return
         self._note_break_stream(waiter)
-        if _stream_id(waiter) == _stream_id(self.capture_stream):
-            self._unjoined.pop(_stream_id(source), None)
         if _stream_id(source) in self._took_part:
             self._follow_segments(waiter)
 
@@ -366,16 +359,12 @@ class ForkJoinTracker:
 
     def _note_break_stream(self, stream: torch.cuda.Stream) -> None:
         """A break waits or records on ``stream``: it queues work there, which a later segment
-        that uses the stream waits on, and which is unjoined until the capture stream waits on it."""
-        if _stream_id(stream) != _stream_id(self.capture_stream):
-            self._break_streams.worked_on(_stream_id(stream), self._segment_number)
-            self._unjoined[_stream_id(stream)] = stream
-
-    def _joined_in_break(self, entry: _SegmentRecord | _BreakRecord | None) -> None:
-        """The capture stream or the host waited on an event whose record ``entry`` is: one
-        this break recorded joins its stream."""
-        if isinstance(entry, _BreakRecord) and entry.ordering is self._break:
-            self._unjoined.pop(_stream_id(entry.stream), None)
+        that uses the stream waits on."""
+        sid = _stream_id(stream)
+        if sid != _stream_id(self.capture_stream):
+            self._break_streams.worked_on(sid, self._segment_number)
+            if stream.device_index == self.capture_stream.device_index:
+                self._break_side_streams.add(sid)
 
     def _note_fork(self, stream: torch.cuda.Stream) -> None:
         """``stream`` takes part in the open segment now; where a break queued work on it, the

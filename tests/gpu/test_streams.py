@@ -342,12 +342,19 @@ def test_a_segment_waits_on_a_side_stream_a_break_worked_on(waiter, breaks_after
 @bg.eager_on_graph
 def result_on_side_left_unjoined(x, kind):
     """Returns what SIDE computes, late, and leaves SIDE unjoined: the caller waits on the
-    stream before reading the result, as eager code may."""
+    stream before reading the result, as eager code may. ``after_join``: SIDE's first work is
+    joined, then SIDE makes the result (work the hooks do not see)."""
     SIDE.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(SIDE):
         torch.cuda._sleep(SLEEP_CYCLES)
         result = torch.tanh(x)
-        if kind == "dict":
+    if kind == "after_join":
+        torch.cuda.current_stream().wait_stream(SIDE)
+        with torch.cuda.stream(SIDE):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            result = result * 3
+    if kind == "dict":
+        with torch.cuda.stream(SIDE):
             result = {"tanh": result, "sum": result.sum(0)}
     return result
 
@@ -357,15 +364,15 @@ def read_a_result_left_on_a_side_stream(x, kind):
     out = result_on_side_left_unjoined(h, kind)
     g = h + 1  # ahead of the wait: free to overlap the side stream's work
     torch.cuda.current_stream().wait_stream(SIDE)
-    return out * g if kind == "tensor" else out["tanh"] * g + out["sum"]
+    return out["tanh"] * g + out["sum"] if kind == "dict" else out * g
 
 
-@pytest.mark.parametrize("kind", ["tensor", "dict"])
+@pytest.mark.parametrize("kind", ["tensor", "dict", "after_join"])
 def test_a_break_result_computed_on_a_side_stream_it_left_unjoined_is_written_back_after_that_work(kind):
     x = torch.randn(256, 256, device=DEV)
     graph, _ = check_against_eager(lambda x: read_a_result_left_on_a_side_stream(x, kind), [x], atol=1e-4, rtol=1e-4)
     eager_break = next(s for s in graph.segments if s.kind == "eager")
-    assert eager_break.ordering.joins_writeback and eager_break.ordering.has_signals
+    assert eager_break.ordering.orders_writeback and eager_break.ordering.has_signals
     _originals_back()
 
 
