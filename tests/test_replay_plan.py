@@ -439,4 +439,3 @@ def logged_writer(write, log):
 
     logged.result_type = write.result_type
     return logged
-
