@@ -240,20 +240,20 @@ class TrackerMachine(RuleBasedStateMachine):
         for action, i, name in in_break:
             stream = self.stream(i)
             if action == "join":  # current.wait_stream(stream)
-                self.tracker.stream_waited_in_break(self.main, stream)
+                self.tracker.breaks.stream_waited(self.main, stream)
                 continue
             if stream is not self.main and (action != "wait" or name in self.events):
                 self.last_break_on[stream.cuda_stream] = len(self.breaks) + 1  # the break waits or records on it
                 worked_on.add(stream.cuda_stream)
             if action == "queue":  # stream.wait_stream(current) before queuing work on it
-                self.tracker.stream_waited_in_break(stream, self.main)
+                self.tracker.breaks.stream_waited(stream, self.main)
             elif action == "record":
                 event = self.events.setdefault(name, FakeEvent())
                 event.deps, event.capturing, event.from_break = frozenset(), False, True
-                self.tracker.event_recorded_in_break(event, stream)
+                self.tracker.breaks.event_recorded(event, stream)
             elif name in self.events:
                 event = self.events[name]
-                handled = self.tracker.waited_in_break(event, stream)
+                handled = self.tracker.breaks.event_waited(event, stream)
                 # CUDA refuses an eager wait on an event a capture recorded
                 assert handled or not event.capturing, "a break's wait on a captured event reached CUDA"
         self.breaks.append(RecordedBreak(writes_back))
@@ -371,8 +371,8 @@ def test_a_break_orders_the_events_that_cross_its_boundaries():
     sim.start()
     tracker.break_begun()
     done = FakeEvent()
-    tracker.event_recorded_in_break(done, side)
-    assert tracker.waited_in_break(ready, side)
+    tracker.breaks.event_recorded(done, side)
+    assert tracker.breaks.event_waited(ready, side)
     ordering = end_break(tracker)
     assert forks == [side] and records == [(ready, main)]  # the side stream follows; the event is usable again
     assert ordering.runs_before and not ordering.has_signals
@@ -416,12 +416,12 @@ def test_every_wait_in_breaks_on_a_segments_event_is_ordered():
     each follows the replay stream; the event is recorded again once."""
     tracker, main, side, ready, log = tracker_between_segments()
     first, second, later = FakeStream(3), FakeStream(4), FakeStream(5)
-    assert tracker.waited_in_break(ready, first) and tracker.waited_in_break(ready, second)
+    assert tracker.breaks.event_waited(ready, first) and tracker.breaks.event_waited(ready, second)
     ordering = end_break(tracker)
     tracker.segment_begun()
     tracker.segment_ending()
     tracker.break_begun()
-    assert tracker.waited_in_break(ready, later)
+    assert tracker.breaks.event_waited(ready, later)
     assert ordering._followers.keys() == {3, 4} and end_break(tracker)._followers.keys() == {5}
     assert log["records"] == [(ready, main)]
     assert [stream for stream in log["forks"] if stream is not side] == [first, second, later]  # side: carried
@@ -430,9 +430,9 @@ def test_every_wait_in_breaks_on_a_segments_event_is_ordered():
 def test_a_break_waiting_on_a_stream_that_took_part_in_a_segment_follows_the_replay_stream():
     tracker, main, side, _ready, log = tracker_between_segments()
     comm, untouched = FakeStream(6), FakeStream(7)
-    tracker.stream_waited_in_break(comm, side)  # side's segment work ran in the graph
-    tracker.stream_waited_in_break(comm, untouched)  # eager work only: torch's own wait orders it
-    tracker.stream_waited_in_break(main, side)  # the replay stream orders itself
+    tracker.breaks.stream_waited(comm, side)  # side's segment work ran in the graph
+    tracker.breaks.stream_waited(comm, untouched)  # eager work only: torch's own wait orders it
+    tracker.breaks.stream_waited(main, side)  # the replay stream orders itself
     assert end_break(tracker)._followers.keys() == {6} and log["forks"] == [comm]
 
 
@@ -441,7 +441,7 @@ def test_a_break_that_raised_leaves_no_event_a_later_graph_would_wait_on():
     wait on one is left to CUDA, which refuses it."""
     tracker, main, side, _ready, _log = tracker_between_segments()
     done = FakeEvent()
-    tracker.event_recorded_in_break(done, side)
+    tracker.breaks.event_recorded(done, side)
     tracker.break_discarded()
     tracker.segment_begun()
     assert not tracker.waited_in_segment(done, main)
@@ -452,7 +452,7 @@ def test_a_wait_on_a_break_event_of_another_device_is_refused_with_the_fix():
     elsewhere = FakeStream(8)
     elsewhere.device_index = 1
     done = FakeEvent()
-    tracker.event_recorded_in_break(done, elsewhere)
+    tracker.breaks.event_recorded(done, elsewhere)
     end_break(tracker)
     tracker.segment_begun()
     with pytest.raises(StreamJoinError, match=r"cuda:1, while the capture runs on cuda:0.*wait_stream"):
@@ -465,7 +465,7 @@ def test_a_segment_waiting_on_a_stream_a_break_used_waits_on_the_latest_breaks_s
     made when first needed; a break that raised is not the one."""
     tracker, main, _side, _ready, log = tracker_between_segments()
     comm, forked, outside = FakeStream(6), FakeStream(7), FakeStream(8)
-    tracker.stream_waited_in_break(comm, main)  # comm.wait_stream(current) before queuing work on it
+    tracker.breaks.stream_waited(comm, main)  # comm.wait_stream(current) before queuing work on it
     first = RecordedBreak()
     tracker.break_ended(first)
     assert first.ordering is None  # no event crossed it
@@ -505,13 +505,13 @@ def test_a_stream_a_break_used_waits_for_that_work_when_a_later_segment_forks_it
         tracker.segment_ending()
         tracker.break_begun()
         for stream in touched:
-            tracker.stream_waited_in_break(stream, main)
+            tracker.breaks.stream_waited(stream, main)
         recorded = RecordedBreak()
         tracker.break_ended(recorded)
         return recorded
 
-    tracker.stream_waited_in_break(comm, main)
-    tracker.stream_waited_in_break(side, main)  # side is carried across the break, too
+    tracker.breaks.stream_waited(comm, main)
+    tracker.breaks.stream_waited(side, main)  # side is carried across the break, too
     first = RecordedBreak()
     tracker.break_ended(first)
     second = segment_then_break()  # its graph waits for the first break's work on side and comm
@@ -540,7 +540,7 @@ def test_a_wait_on_an_uncaptured_stream_that_no_break_can_order_is_refused_with_
     tracker.break_begun()
     elsewhere = FakeStream(3)
     elsewhere.device_index = 1
-    tracker.stream_waited_in_break(elsewhere, main)
+    tracker.breaks.stream_waited(elsewhere, main)
     end_break(tracker)
     tracker.segment_begun()
     sim.start()
@@ -571,22 +571,22 @@ def test_a_break_that_waits_on_the_host_for_a_segments_event_waits_for_the_graph
     host waits for the replay stream's work before every replay of the break; the break's own
     events need neither."""
     tracker, main, side, ready, log = tracker_between_segments()
-    tracker.synchronized_in_break(ready)
-    tracker.synchronized_in_break(ready)
+    tracker.breaks.event_synchronized(ready)
+    tracker.breaks.event_synchronized(ready)
     done = FakeEvent()
-    tracker.event_recorded_in_break(done, side)
-    tracker.synchronized_in_break(done)
+    tracker.breaks.event_recorded(done, side)
+    tracker.breaks.event_synchronized(done)
     ordering = end_break(tracker)
     assert log["records"] == [(ready, main)]
     assert ordering.runs_before and ordering._host_waits and not ordering._followers
     tracker.segment_begun()
-    tracker.synchronized_in_break(ready)  # in a segment: CUDA's to refuse
+    tracker.breaks.event_synchronized(ready)  # in a segment: CUDA's to refuse
     assert log["records"] == [(ready, main)]
     log["sim"].start()
     tracker.event_recorded(ready, main)  # the model records the same event in a later segment
     tracker.segment_ending()
     tracker.break_begun()
-    assert tracker.waited_in_break(ready, side)
+    assert tracker.breaks.event_waited(ready, side)
     assert log["records"] == [(ready, main), (ready, main)]  # its new record is a capture's again
 
 
@@ -618,13 +618,13 @@ def test_a_break_returning_a_result_writes_it_back_after_its_side_streams_work_j
     elsewhere = FakeStream(10)
     elsewhere.device_index = 1
     for stream in (comm, by_stream, by_event, by_host, elsewhere):
-        tracker.stream_waited_in_break(stream, main)  # forked: stream.wait_stream(current)
-    tracker.stream_waited_in_break(main, by_stream)
+        tracker.breaks.stream_waited(stream, main)  # forked: stream.wait_stream(current)
+    tracker.breaks.stream_waited(main, by_stream)
     done, finished = FakeEvent(), FakeEvent()
-    tracker.event_recorded_in_break(done, by_event)
-    tracker.waited_in_break(done, main)
-    tracker.event_recorded_in_break(finished, by_host)
-    tracker.synchronized_in_break(finished)
+    tracker.breaks.event_recorded(done, by_event)
+    tracker.breaks.event_waited(done, main)
+    tracker.breaks.event_recorded(finished, by_host)
+    tracker.breaks.event_synchronized(finished)
     ordering = end_break(tracker, writes_back=True)
     assert ordering.orders_writeback and ordering._writeback_waits.keys() == {6, 7, 8, 9}
 
@@ -633,7 +633,7 @@ def test_a_break_returning_a_result_writes_it_back_after_its_side_streams_work_j
         tracker.segment_ending()
         tracker.break_begun()
         for stream in forked:
-            tracker.stream_waited_in_break(stream, main)
+            tracker.breaks.stream_waited(stream, main)
         if raises:
             tracker.break_discarded()
             return None

@@ -7,8 +7,8 @@ one ends (reference-counted under a lock). The body watch's refusal of
 ``synchronize`` is installed over them only while a body captures, inside a
 capture, so it is always removed first. Outside a capture of the calling
 thread they call straight through to torch's methods; inside a segment they
-report to the tracker, and inside a break they report only the events that
-may cross it.
+report to the tracker, and inside a break to its break watch
+(:class:`breakgraph.recording.break_watch.BreakWatch`), only what may cross it.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def _hooked_wait_stream(self: torch.cuda.Stream, stream: torch.cuda.Stream) -> N
         return _originals[(torch.cuda.Stream, "wait_stream")](self, stream)
     if not capture.segment_open:
         original_wait_stream(self, stream)  # its own event crosses no boundary
-        capture.tracker.stream_waited_in_break(self, stream)
+        capture.tracker.breaks.stream_waited(self, stream)
     elif not capture.tracker.waited_on_uncaptured_stream(self, stream):
         original_wait_stream(self, stream)
         capture.tracker.stream_waited(self, stream)
@@ -69,14 +69,14 @@ def _hooked_event_record(original: Callable, event: torch.cuda.Event, stream: to
     if capture.segment_open:
         capture.tracker.event_recorded(event, stream)
     else:
-        capture.tracker.event_recorded_in_break(event, stream)
+        capture.tracker.breaks.event_recorded(event, stream)
 
 
 @_event_hook("wait")
 def _hooked_event_wait(original: Callable, event: torch.cuda.Event, stream: torch.cuda.Stream, capture: context.ActiveCapture) -> None:
     tracker = capture.tracker
     if not capture.segment_open:
-        if not tracker.waited_in_break(event, stream):
+        if not tracker.breaks.event_waited(event, stream):
             original(event, stream)
     elif not tracker.waited_in_segment(event, stream):
         original(event, stream)
@@ -84,13 +84,13 @@ def _hooked_event_wait(original: Callable, event: torch.cuda.Event, stream: torc
 
 
 def _host_wait_hook(name: str) -> Callable:
-    """The hook of ``Event.<name>`` (``synchronize``, ``query``): in a break, the tracker first
-    makes a segment's event one the host can wait on, at capture and at replay."""
+    """The hook of ``Event.<name>`` (``synchronize``, ``query``): in a break, the break watch
+    first makes a segment's event one the host can wait on, at capture and at replay."""
 
     def hooked(self: torch.cuda.Event):
         capture = _capture_here()
         if capture is not None and not capture.segment_open:
-            capture.tracker.synchronized_in_break(self)
+            capture.tracker.breaks.event_synchronized(self)
         return _originals[(torch.cuda.Event, name)](self)
 
     return hooked

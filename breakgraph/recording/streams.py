@@ -11,7 +11,8 @@ it forks those streams again, so model code keeps using them across a break.
 An event recorded in a break and waited on in a later segment, or recorded
 in a segment and waited on in a later break, crosses a segment boundary, which
 CUDA refuses; so does a stream a break queued work on, used by a later
-segment (:mod:`breakgraph.recording.break_streams`): the tracker hands such
+segment (:mod:`breakgraph.recording.break_streams`): the tracker, and while a
+break runs its :class:`~breakgraph.recording.break_watch.BreakWatch`, hand such
 waits to the break's :class:`~breakgraph.recording.break_ordering.BreakOrdering`,
 which keeps their order at replay.
 
@@ -20,14 +21,15 @@ The hooks that report to the tracker live in :mod:`breakgraph.recording.stream_h
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Protocol
+from typing import Callable, Protocol
 
 import torch
 
 import breakgraph_bindings as bindings
 from breakgraph_bindings import CaptureInfo, CaptureStatus
-from breakgraph.recording.break_ordering import BreakOrdering
 from breakgraph.recording.break_streams import BreakStreams, RecordedBreak
+from breakgraph.recording.break_watch import BreakWatch
+from breakgraph.recording.event_records import BreakRecord, EventRecords, SegmentRecord
 from breakgraph.recording.stream_hooks import original_record
 
 
@@ -44,21 +46,6 @@ def _stream_id(stream: torch.cuda.Stream) -> int:
     return stream.cuda_stream
 
 
-class _SegmentRecord(NamedTuple):
-    """An event recorded into segment number ``segment``, on ``stream``, as of ``info``."""
-
-    stream: torch.cuda.Stream
-    segment: int
-    info: CaptureInfo
-
-
-class _BreakRecord(NamedTuple):
-    """An event recorded on ``stream`` while a break ran, whose replay keeps ``ordering``."""
-
-    stream: torch.cuda.Stream
-    ordering: BreakOrdering
-
-
 class ForkJoinTracker:
     """Which side streams of one capture are forked and not yet joined.
 
@@ -67,7 +54,8 @@ class ForkJoinTracker:
     ``fork`` make the capture stream wait on a side stream and the reverse,
     bypassing the hooks; ``record`` records an event, bypassing them too, and
     ``wait_external`` makes a capturing stream wait on an event recorded
-    outside the capture (an event-wait node).
+    outside the capture (an event-wait node). What a running break does with
+    events and streams is :attr:`breaks`'s to watch.
     """
 
     def __init__(
@@ -83,7 +71,6 @@ class ForkJoinTracker:
         self._capture_info = capture_info
         self._join = join
         self._fork = fork
-        self._record = record or original_record
         self._wait_external = wait_external or _wait_on_outside_event
         self._capture_id: int | None = None  # asked of CUDA when a hook first needs it
         self._segment_number = 0
@@ -91,15 +78,10 @@ class ForkJoinTracker:
         self._open: set[int] = set()  # forked, with work not yet joined
         self._joined_at: dict[int, tuple[int, ...]] = {}  # dependencies when last joined
         self._carry: list[torch.cuda.Stream] = []  # open at the last segment end: fork again
-        # What each event recorded into a segment or a break stands for (None: re-recorded
-        # outside the capture since); the events are held to the capture's end (:meth:`capture_ended`).
-        self._recorded_on: dict[torch.cuda.Event, _SegmentRecord | _BreakRecord | None] = {}
-        self._recorded_again: set[torch.cuda.Event] = set()  # segments' events recorded again in a break
+        self._events = EventRecords()  # held to the capture's end (:meth:`capture_ended`)
         self._took_part: set[int] = set()  # every side stream seen in any segment
-        self._in_break = False  # while a break's function runs
-        self._break: BreakOrdering | None = None  # that break's, made once an event crosses it
-        self._break_side_streams: set[int] = set()  # the capture device's side streams that break worked on
         self._break_streams = BreakStreams(capture_stream, self._wait_external)
+        self.breaks = BreakWatch(capture_stream, self._events, self._break_streams, self._took_part, fork, record or original_record)
 
     # -- segment boundaries ---------------------------------------------------
     def segment_begun(self) -> None:
@@ -168,18 +150,13 @@ class ForkJoinTracker:
     def event_recorded(self, event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
         info = self._capture_info(stream)
         if self._in_this_capture(info):
-            self._recorded_on[event] = _SegmentRecord(stream, self._segment_number, info)
-            self._recorded_again.discard(event)  # its record is inside this capture again
-        elif event in self._recorded_on:
-            self._recorded_on[event] = None
+            self._events.recorded(event, SegmentRecord(stream, self._segment_number, info))
+        else:
+            self._events.recorded_outside(event)
 
     def capture_ended(self) -> None:
-        """Let go of the events recorded into the capture's segments, now that none captures.
-        Held until here, no such event is destroyed while a later segment captures on its
-        stream, wherever the user's code drops it (a break included): ``torch.cuda.graph``'s
-        users destroy an event recorded in a capture only once no capture of its stream runs."""
-        self._recorded_on.clear()
-        self._recorded_again.clear()
+        """Let go of the events recorded into the capture's segments, now that none captures."""
+        self._events.clear()
 
     def waited_in_segment(self, event: torch.cuda.Event, stream: torch.cuda.Stream) -> bool:
         """``stream`` waits on ``event`` inside the open segment. True where the event
@@ -192,10 +169,10 @@ class ForkJoinTracker:
           was not in it) waits on the event the break's replay records on that stream,
           an event-wait node.
         """
-        entry = self._recorded_on.get(event)
-        if entry is None or (isinstance(entry, _SegmentRecord) and entry.segment == self._segment_number):
+        entry = self._events.get(event)
+        if entry is None or (isinstance(entry, SegmentRecord) and entry.segment == self._segment_number):
             return False
-        if isinstance(entry, _BreakRecord) and _stream_id(entry.stream) != _stream_id(self.capture_stream):
+        if isinstance(entry, BreakRecord) and _stream_id(entry.stream) != _stream_id(self.capture_stream):
             self._require_capture_device(entry.stream, f"a segment waits on an event a break recorded on stream {_stream_id(entry.stream):#x}")
             if not self._in_this_capture(self._capture_info(stream)):
                 self._follow_capture_stream(stream)
@@ -203,6 +180,11 @@ class ForkJoinTracker:
         else:
             self._follow_capture_stream(stream)
         return True
+
+    def event_waited(self, event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
+        entry = self._events.of_segment(event)
+        if entry is not None:
+            self.stream_waited(stream, entry.stream, entry.info)
 
     def waited_on_uncaptured_stream(self, waiter: torch.cuda.Stream, source: torch.cuda.Stream) -> bool:
         """``waiter``, capturing, waits on ``source``, which is not in the capture. True where
@@ -260,112 +242,6 @@ class ForkJoinTracker:
             self._fork(stream, self.capture_stream)
             self._note_fork(stream)
 
-    # -- breaks -----------------------------------------------------------------
-    def break_begun(self) -> None:
-        """A break's function runs now (eagerly): events it records and waits on may cross."""
-        self._in_break, self._break = True, None
-
-    def break_ended(self, recorded: RecordedBreak) -> None:
-        """The break is over, and ``recorded`` replays it: it takes what the break orders
-        across its boundaries (None where no event crossed it), to which later segments'
-        waits on the break's events and streams add. Where it writes a result back, the
-        writeback waits for what it queued on side streams of the capture's device: its result
-        may be their work, which eager code may leave for the caller to wait on. Whether the
-        break joined them is not asked: it may queue more work there after a join, which the
-        hooks do not see."""
-        self._in_break = False
-        if self._break_side_streams:  # rare: most breaks touch no side stream
-            if recorded.writes_back:
-                for sid in self._break_side_streams:
-                    self._ordering().write_back_after(sid)
-            self._break_side_streams.clear()
-        recorded.ordering = self._break
-        self._break_streams.latest = recorded
-
-    def break_discarded(self) -> None:
-        """The break raised, or could not be recorded: nothing records its events at replay,
-        so a later segment's wait on one goes to CUDA, which refuses it."""
-        self._in_break = False
-        self._break_side_streams.clear()
-        for event, entry in self._recorded_on.items():
-            if isinstance(entry, _BreakRecord) and entry.ordering is self._break:
-                self._recorded_on[event] = None
-
-    def _ordering(self) -> BreakOrdering:
-        if self._break is None:
-            self._break = BreakOrdering()
-        return self._break
-
-    def event_recorded_in_break(self, event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
-        if self._in_break:
-            self._note_break_stream(stream)
-            self._recorded_on[event] = _BreakRecord(stream, self._ordering())
-        elif event in self._recorded_on:  # between segments, outside a break (a barrier's)
-            self._recorded_on[event] = None
-
-    def waited_in_break(self, event: torch.cuda.Event, stream: torch.cuda.Stream) -> bool:
-        """``stream`` waits on ``event`` in a break. True where the event was recorded in a
-        segment, and the wait is made here: ``stream`` follows the capture stream, at capture
-        and, before the break, at every replay. The first such wait records the event again
-        on the capture stream, outside the capture: one recorded in a capture cannot be
-        waited on outside it, nor at replay, by the break's own code."""
-        if not self._in_break:
-            return False
-        self._note_break_stream(stream)
-        if not isinstance(self._recorded_on.get(event), _SegmentRecord):
-            return False
-        self._follow_segments(stream)
-        self._record_again(event)
-        return True
-
-    def synchronized_in_break(self, event: torch.cuda.Event) -> None:
-        """The host synchronizes with or queries ``event`` in a break. Where a segment recorded
-        it, it is recorded again on the capture stream, outside the capture, so the call is
-        valid now; and before every replay of the break the host waits for the graphs
-        launched so far, which hold the work the event stood for (the break's code may hold
-        another event object then, made by an eager call in between)."""
-        if not self._in_break or not isinstance(self._recorded_on.get(event), _SegmentRecord):
-            return
-        self._ordering().wait_on_host()
-        self._record_again(event)
-
-    def _record_again(self, event: torch.cuda.Event) -> None:
-        """Record a segment's ``event`` on the capture stream, outside the capture, once per
-        segment record: one recorded in a capture cannot be waited on outside it."""
-        if event not in self._recorded_again:
-            self._record(event, self.capture_stream)
-            self._recorded_again.add(event)
-
-    def stream_waited_in_break(self, waiter: torch.cuda.Stream, source: torch.cuda.Stream) -> None:
-        """``waiter`` waits on ``source`` in a break: where ``source`` took part in a segment,
-        its work there ran in the graphs, so ``waiter`` follows them too."""
-        if not self._in_break:
-            return
-        self._note_break_stream(waiter)
-        if _stream_id(source) in self._took_part:
-            self._follow_segments(waiter)
-
-    def _follow_segments(self, stream: torch.cuda.Stream) -> None:
-        """In a break, ``stream`` (unless the capture stream, which replay orders) waits on the
-        capture stream's work: now, and before the break at every replay."""
-        if _stream_id(stream) != _stream_id(self.capture_stream):
-            self._fork(stream, self.capture_stream)
-            self._ordering().follow(_stream_id(stream))
-
-    def event_waited(self, event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
-        entry = self._recorded_on.get(event)
-        if isinstance(entry, _SegmentRecord):
-            self.stream_waited(stream, entry.stream, entry.info)
-
-    def _note_break_stream(self, stream: torch.cuda.Stream) -> None:
-        """A break waits or records on ``stream``: it queues work there, which a later segment
-        that uses the stream waits on."""
-        sid = _stream_id(stream)
-        if sid != _stream_id(self.capture_stream):
-            self._break_streams.worked_on(sid, self._segment_number)
-            if stream.device_index == self.capture_stream.device_index:
-                self._break_side_streams.add(sid)
-
     def _note_fork(self, stream: torch.cuda.Stream) -> None:
         """``stream`` takes part in the open segment now; where a break queued work on it, the
         segment's graph first waits on that work, as the stream's order asks."""
@@ -380,6 +256,19 @@ class ForkJoinTracker:
     @property
     def open_streams(self) -> tuple[int, ...]:
         return tuple(sorted(self._open))
+
+    # -- breaks: what each does with events and streams, :attr:`breaks` watches ------
+    def break_begun(self) -> None:
+        """A break's function runs now (eagerly): events it records and waits on may cross."""
+        self.breaks.begun(self._segment_number)
+
+    def break_ended(self, recorded: RecordedBreak) -> None:
+        """The break is over, and ``recorded`` replays it (:meth:`BreakWatch.ended`)."""
+        self.breaks.ended(recorded)
+
+    def break_discarded(self) -> None:
+        """The break raised, or could not be recorded (:meth:`BreakWatch.discarded`)."""
+        self.breaks.discarded()
 
 
 def _wait_on_outside_event(stream: torch.cuda.Stream, event: bindings.Event) -> None:
