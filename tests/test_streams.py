@@ -388,16 +388,24 @@ def test_a_break_orders_the_events_that_cross_its_boundaries():
 
 def tracker_between_segments():
     """A tracker, its simulated capture, and what it asked of CUDA, after one segment in which
-    ``side`` took part and recorded ``ready``; a break is running."""
+    ``side`` took part and recorded ``ready``; a break is running. Records raise while
+    ``log["refused"]`` holds a count of them to refuse."""
     main, side = FakeStream(1), FakeStream(2)
     sim = SimulatedCapture(main)
-    log = {"forks": [], "records": [], "waits": [], "sim": sim}
+    log = {"forks": [], "records": [], "waits": [], "sim": sim, "refused": 0}
+
+    def record(event, stream):
+        if log["refused"]:
+            log["refused"] -= 1
+            raise RuntimeError("record refused")
+        log["records"].append((event, stream))
+
     tracker = ForkJoinTracker(
         main,
         sim.info,
         join=lambda c, s: sim.wait_stream(c, s),
         fork=lambda s, c: log["forks"].append(s),
-        record=lambda e, s: log["records"].append((e, s)),
+        record=record,
         wait_external=lambda s, e: log["waits"].append((s, e)),
     )
     tracker.segment_begun()
@@ -425,6 +433,21 @@ def test_every_wait_in_breaks_on_a_segments_event_is_ordered():
     assert ordering._followers.keys() == {3, 4} and end_break(tracker)._followers.keys() == {5}
     assert log["records"] == [(ready, main)]
     assert [stream for stream in log["forks"] if stream is not side] == [first, second, later]  # side: carried
+
+
+def test_a_segments_event_whose_record_again_failed_is_recorded_again_at_the_next_wait():
+    """A break's record of a segment's event raised (the caller went on past it): the next
+    wait on that event records it again, rather than taking it as recorded."""
+    tracker, main, side, ready, log = tracker_between_segments()
+    log["refused"] = 1
+    with pytest.raises(RuntimeError, match="record refused"):
+        tracker.breaks.event_waited(ready, FakeStream(3))
+    tracker.break_discarded()
+    tracker.segment_begun()
+    tracker.segment_ending()
+    tracker.break_begun()
+    assert tracker.breaks.event_waited(ready, FakeStream(4))
+    assert log["records"] == [(ready, main)]
 
 
 def test_a_break_waiting_on_a_stream_that_took_part_in_a_segment_follows_the_replay_stream():

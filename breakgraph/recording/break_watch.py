@@ -126,8 +126,9 @@ class BreakWatch:
     def _record_again(self, event: torch.cuda.Event) -> None:
         """Record a segment's ``event`` on the capture stream, outside the capture, once per
         segment record: one recorded in a capture cannot be waited on outside it."""
-        if self._events.first_recorded_again(event):
+        if not self._events.rerecorded(event):
             self._record(event, self._capture_stream)
+            self._events.mark_rerecorded(event)
 
     def _follow_segments(self, stream: torch.cuda.Stream) -> None:
         """``stream`` (unless the capture stream, which replay orders) waits on the capture

@@ -45,7 +45,7 @@ class EagerSegment(Segment):
     storage, data pointer, whether the graph's pool holds it) lets debug mode
     check that the caller's tensors did not move or die. ``ordering``: what it orders
     at replay for events and streams that crossed its boundaries (None: none did), set
-    by the fork/join tracker.
+    by the capture's break watch, or later by a segment's wait on a stream it worked on.
     """
 
     kind: ClassVar[str] = "eager"

@@ -33,14 +33,14 @@ class BreakRecord(NamedTuple):
 
 class EventRecords:
     """The events recorded into one capture's segments and breaks, each with what it
-    stands for (None once recorded again outside the capture), held to the capture's
+    stands for (None once the user's code records it outside them), held to the capture's
     end (:meth:`clear`): ``torch.cuda.graph``'s users destroy an event recorded in a
     capture only once no capture of its stream runs, and the user's code may drop one
     anywhere, a break included."""
 
     def __init__(self) -> None:
         self._stands_for: dict[torch.cuda.Event, SegmentRecord | BreakRecord | None] = {}
-        self._recorded_again: set[torch.cuda.Event] = set()  # segments' events recorded again in a break
+        self._rerecorded: set[torch.cuda.Event] = set()  # segments' events a break's watch recorded again
 
     def get(self, event: torch.cuda.Event) -> SegmentRecord | BreakRecord | None:
         return self._stands_for.get(event)
@@ -52,7 +52,7 @@ class EventRecords:
 
     def recorded(self, event: torch.cuda.Event, record: SegmentRecord | BreakRecord) -> None:
         self._stands_for[event] = record
-        self._recorded_again.discard(event)  # its record is inside this capture again
+        self._rerecorded.discard(event)  # its latest record is no longer the one recorded again
 
     def recorded_outside(self, event: torch.cuda.Event) -> None:
         """``event`` was recorded outside the capture's segments and breaks: it stands for
@@ -66,15 +66,15 @@ class EventRecords:
             if isinstance(entry, BreakRecord) and entry.ordering is ordering:
                 self._stands_for[event] = None
 
-    def first_recorded_again(self, event: torch.cuda.Event) -> bool:
-        """Whether ``event``, a segment's, is now recorded again outside the capture for the
-        first time since that segment recorded it."""
-        if event in self._recorded_again:
-            return False
-        self._recorded_again.add(event)
-        return True
+    def rerecorded(self, event: torch.cuda.Event) -> bool:
+        """Whether ``event``, a segment's, was recorded again outside the capture since that
+        segment recorded it (:meth:`mark_rerecorded`)."""
+        return event in self._rerecorded
+
+    def mark_rerecorded(self, event: torch.cuda.Event) -> None:
+        self._rerecorded.add(event)
 
     def clear(self) -> None:
         """Let go of the events, now that no segment of the capture captures."""
         self._stands_for.clear()
-        self._recorded_again.clear()
+        self._rerecorded.clear()

@@ -258,6 +258,8 @@ class ForkJoinTracker:
         return tuple(sorted(self._open))
 
     # -- breaks: what each does with events and streams, :attr:`breaks` watches ------
+    # The recorder calls these; the hooks call :attr:`breaks` itself. A break's
+    # streams are noted by the number of the segment before it, which the tracker counts.
     def break_begun(self) -> None:
         """A break's function runs now (eagerly): events it records and waits on may cross."""
         self.breaks.begun(self._segment_number)
