@@ -26,7 +26,7 @@ def test_without_the_library_load_meta_prints_why_and_returns_none(monkeypatch, 
 def test_meta_s_attention_break_writes_attention_s_result_into_its_buffer():
     """Outside a capture a ``@no_graph`` function runs as it is: the decoder's break in Meta's way
     hands the model what :func:`attention` returns, through the buffer the break writes."""
-    library = pytest.importorskip("breakable_cuda_graphs")
+    library = pytest.importorskip("breakable_cuda_graphs", reason="Meta's library, the optional peer of the benchmarks, is not installed (pip install -e '.[bench]')")
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 8, generator=generator)
     k, v = torch.randn(2, 2, 2, 8, generator=generator)
