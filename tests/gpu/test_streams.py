@@ -444,6 +444,43 @@ def test_a_break_waits_on_the_host_for_an_event_a_segment_recorded(how):
     _originals_back()
 
 
+@bg.eager_on_graph
+def scale_after_generic_waits(h, ready):
+    """A break that orders its side stream after torch's device-generic current stream and a
+    segment's event."""
+    SIDE2.wait_stream(torch.accelerator.current_stream())
+    ready.wait(SIDE2)
+    with torch.cuda.stream(SIDE2):
+        out = h * 3
+    torch.cuda.current_stream().wait_stream(SIDE2)
+    return out
+
+
+def generic_streams_around_a_break(x):
+    """``torch.accelerator.current_stream()``, a ``torch.Stream``, given to the CUDA methods, as
+    their signatures allow: a fork, an event's record, and a break's waits."""
+    main = torch.accelerator.current_stream()
+    SIDE.wait_stream(main)
+    with torch.cuda.stream(SIDE):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        gate = torch.sigmoid(x)  # carried across the break, joined after it
+    h = torch.tanh(x)
+    ready = torch.cuda.Event()
+    ready.record(main)
+    y = scale_after_generic_waits(h, ready)
+    torch.cuda.current_stream().wait_stream(SIDE)
+    return y * gate
+
+
+def test_torchs_device_generic_streams_given_to_the_hooked_methods_are_tracked():
+    graph, _ = check_against_eager(generic_streams_around_a_break, [torch.randn(256, 256, device=DEV)])
+    first = next(s for s in graph.segments if s.kind == "graph")
+    eager_break = next(s for s in graph.segments if s.kind == "eager")
+    assert first.side_streams == (SIDE.cuda_stream,)
+    assert eager_break.ordering.runs_before
+    _originals_back()
+
+
 def test_original_methods_restored_after_failed_capture():
     with pytest.raises(ZeroDivisionError):
         with bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph()):
