@@ -50,10 +50,11 @@ class BreakStreams:
         """A break after segment number ``segment`` waits or records on ``raw_stream``."""
         self._worked_in[raw_stream] = segment
 
-    def wait_for(self, waiter: torch.cuda.Stream, source: torch.cuda.Stream, segment: int) -> bool:
+    def wait_for(self, waiter: torch.cuda.Stream, source: torch.cuda.Stream, segment: int) -> None:
         """Make ``waiter``, capturing segment number ``segment``, wait for the work breaks
-        queued on ``source`` that no earlier graph waits for, nor ``waiter`` in this one; whether
-        it did. Another device's stream is left alone: the signal lives on the capture's."""
+        queued on ``source``, where that wait is owed: where no earlier graph waits for that
+        work, nor ``waiter`` in this one. Another device's stream is left alone: the signal
+        lives on the capture's."""
         sid = source.cuda_stream
         pair = (waiter.cuda_stream, sid)
         if (
@@ -63,9 +64,8 @@ class BreakStreams:
             or self._waited_by.get(pair) == segment
             or source.device_index != self._capture_stream.device_index
         ):
-            return False
+            return
         if self.latest.ordering is None:
             self.latest.ordering = BreakOrdering()
         self._wait_external(waiter, self.latest.ordering.signal_on(sid))
         self._waited_in[sid] = self._waited_by[pair] = segment
-        return True
