@@ -130,6 +130,16 @@ def require_capture(what: str) -> None:
         )
 
 
+def as_cuda_stream(stream):
+    """``stream`` as a ``torch.cuda.Stream``, where it is torch's device-generic ``torch.Stream``
+    of a GPU (what ``torch.accelerator.current_stream()`` returns), which torch's CUDA methods
+    take too: breakgraph knows a stream by its ``cuda_stream`` handle. Anything else is
+    returned as it is, for the caller to judge."""
+    if type(stream) is torch.Stream and stream.device.type == "cuda":  # torch.cuda.Stream subclasses it
+        return torch.cuda.Stream(stream_id=stream.stream_id, device_index=stream.device_index, device_type=stream.device_type)
+    return stream
+
+
 _kept_streams = threading.local()
 _claims: dict[int, tuple[int, str, int]] = {}  # stream handle -> (thread id, thread name, depth)
 _claims_lock = threading.Lock()

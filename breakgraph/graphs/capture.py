@@ -27,8 +27,9 @@ class BreakableCUDAGraphCapture:
 
     Arguments:
         graph (BreakableCUDAGraph): the graph to capture into.
-        stream (torch.cuda.Stream, optional): the capture stream. Default: one
-            kept per thread. The default stream is refused.
+        stream (torch.cuda.Stream, optional): the capture stream (a GPU's generic
+            ``torch.Stream`` too). Default: one kept per thread. The default stream
+            is refused.
         options (CaptureOptions, optional): how the capture treats random ops,
             breaks and barriers. Default: ``CaptureOptions()``.
         **capture_options: any field of :class:`~breakgraph.CaptureOptions` by
@@ -53,8 +54,9 @@ class BreakableCUDAGraphCapture:
     ):
         if not isinstance(graph, BreakableCUDAGraph):
             raise TypeError(f"expected a BreakableCUDAGraph, got {type(graph).__name__}")
+        stream = runtime.as_cuda_stream(stream)
         if stream is not None and not isinstance(stream, torch.cuda.Stream):
-            raise TypeError(f"stream must be a torch.cuda.Stream or None, got {type(stream).__name__}")
+            raise TypeError(f"stream must be a GPU's torch.cuda.Stream or torch.Stream, or None; got {stream!r}")
         self.graph = graph
         self.stream = stream
         self.options = CaptureOptions.build("BreakableCUDAGraphCapture", options, capture_options)

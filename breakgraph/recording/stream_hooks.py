@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from breakgraph.base import context
+from breakgraph.base import context, runtime
 
 _lock = threading.Lock()
 _users = 0
@@ -34,21 +34,11 @@ def _capture_here():
     return capture
 
 
-def _as_cuda_stream(stream):
-    """``stream`` as a ``torch.cuda.Stream``, where it is torch's device-generic ``torch.Stream``
-    of a GPU (``torch.accelerator.current_stream()``'s), which torch's methods take too: the
-    tracker knows a stream by its ``cuda_stream`` handle. Anything else is left for torch's
-    method to judge."""
-    if type(stream) is torch.Stream and stream.device.type == "cuda":  # torch.cuda.Stream subclasses it
-        return torch.cuda.Stream(stream_id=stream.stream_id, device_index=stream.device_index, device_type=stream.device_type)
-    return stream
-
-
 def _hooked_wait_stream(self: torch.cuda.Stream, stream: torch.cuda.Stream) -> None:
     capture = _capture_here()
     if capture is None:
         return _originals[(torch.cuda.Stream, "wait_stream")](self, stream)
-    stream = _as_cuda_stream(stream)
+    stream = runtime.as_cuda_stream(stream)
     if not capture.segment_open:
         original_wait_stream(self, stream)  # its own event crosses no boundary
         capture.tracker.breaks.stream_waited(self, stream)
@@ -67,7 +57,7 @@ def _event_hook(name: str) -> Callable:
             capture = _capture_here()
             if capture is None:
                 return original(self, stream)
-            tracked(original, self, torch.cuda.current_stream() if stream is None else _as_cuda_stream(stream), capture)
+            tracked(original, self, torch.cuda.current_stream() if stream is None else runtime.as_cuda_stream(stream), capture)
 
         return hooked
 

@@ -481,6 +481,15 @@ def test_torchs_device_generic_streams_given_to_the_hooked_methods_are_tracked()
     _originals_back()
 
 
+def test_a_gpus_generic_stream_is_taken_as_the_capture_stream():
+    side = torch.cuda.Stream()
+    generic = torch.Stream(stream_id=side.stream_id, device_index=side.device_index, device_type=side.device_type)
+    assert type(generic) is torch.Stream
+    graph, _ = check_against_eager(generic_streams_around_a_break, [torch.randn(256, 256, device=DEV)], stream=generic)
+    assert graph.segments[0].kind == "graph"
+    _originals_back()
+
+
 def test_original_methods_restored_after_failed_capture():
     with pytest.raises(ZeroDivisionError):
         with bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph()):
