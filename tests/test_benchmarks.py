@@ -44,8 +44,8 @@ def benchmark_runs(tmp_path_factory):
 
 def test_every_benchmark_is_found():
     known = {
-        "capture_time", "conditional", "decode_step", "graph_memory", "memory", "replay_overhead", "soak", "tensor_parallel", "training_step",
-        "transformers_generate",
+        "capture_time", "conditional", "decode_step", "first_generation", "graph_memory", "memory", "replay_overhead", "soak", "tensor_parallel",
+        "training_step", "transformers_generate",
     }
     assert known <= set(BENCHMARKS)  # and any new one is run by the test below
 

@@ -92,6 +92,21 @@ def test_transformers_generate_reports_cold_and_warm_generations(tmp_path):
     assert all("torch.compile's" in line for line in targets)
 
 
+def test_first_generation_measures_each_case_in_a_process_of_its_own(tmp_path):
+    pytest.importorskip("transformers", reason="the transformers extra is not installed (pip install -e '.[transformers]')")
+    pytest.importorskip("matplotlib")
+    from benchmarks.first_generation import CASES
+
+    data, measured, _ = check_outputs(quick_run("first_generation", tmp_path), "first_generation", False)
+    assert [row["variant"] for row in measured] == [f"breakgraph breakable, {case}" for case in CASES.values()]
+    for row in measured:
+        assert 0 < row["warm_s"] and 0 < row["first_s"] <= row["until_first_s"]
+        captured_before = row["variant"].endswith("after capture()")
+        assert (row["capture_s"] == 0) == captured_before, row  # capture() took every size the call needs
+        assert (row["before_s"] > 0) == (captured_before or row["variant"].endswith("after one eager step")), row
+    assert len(data["meta"]["targets"]) == 1 and "nothing before" in data["meta"]["targets"][0]
+
+
 def test_the_worked_example_times_capture_prefill_and_decode_on_the_gpu(tmp_path):
     pytest.importorskip("transformers", reason="the transformers extra is not installed")
     example = Path(__file__).resolve().parents[2] / "examples" / "llama_generate.py"
