@@ -7,6 +7,7 @@ for ranks, its ratios and its outputs."""
 
 import importlib
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -139,6 +140,35 @@ def test_transformers_generates_children_check_the_parents_out_folder(monkeypatc
     with pytest.raises(RuntimeError):
         runs.run_fresh("eager", 1, args)
     assert commands[0][commands[0].index("--out") + 1] == str(tmp_path)
+
+
+def test_first_generations_children_get_the_parents_settings_and_only_one_case_loads_kernels_eagerly(monkeypatch, tmp_path):
+    from benchmarks import first_generation as bench
+
+    calls = []
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "LAZY")  # the parent's own setting reaches no case
+    monkeypatch.setattr(bench.subprocess, "run", lambda command, env, **_: calls.append((command, env)) or subprocess.CompletedProcess(command, 1, "", ""))
+    args = bench.parse(["--out", str(tmp_path), "--prompt", "16", "--new", "8", "--repeats", "2", "--quick"])
+    for case in bench.CASES:
+        with pytest.raises(RuntimeError, match=re.escape(f"full, {bench.CASES[case]}, batch 4 failed")):
+            bench.run_fresh(case, "full", 4, args)
+    for (command, env), case in zip(calls, bench.CASES):
+        child = bench.parse(command[command.index("--one") :])
+        assert (child.one, child.modes, child.batches, child.prompt, child.new, child.repeats, child.quick) == (case, ["full"], [4], 16, 8, 2, True)
+        assert child.out == str(tmp_path) and child.result
+        assert env.get("CUDA_MODULE_LOADING") == ("EAGER" if case == "eager_loading" else None)
+
+
+def test_first_generation_says_whether_a_first_call_with_nothing_before_meets_the_target():
+    from benchmarks.first_generation import target_line
+
+    assert target_line("breakable", 8, {"nothing": {"first_over_warm": 1.93}, "capture": {"first_over_warm": 1.2}}) == (
+        "breakable, batch 8: first over warm 1.93x, nothing before (NOT met); after capture() 1.20x"
+    )
+    assert target_line("full", 1, {"nothing": {"first_over_warm": 1.4}}) == "full, batch 1: first over warm 1.40x, nothing before (met)"
+    assert target_line("full", 1, {"eager_step": {"first_over_warm": 1.3}}) == (
+        "full, batch 1: first over warm with nothing before not measured (--cases); after one eager step 1.30x"
+    )
 
 
 def example(*args) -> subprocess.CompletedProcess:

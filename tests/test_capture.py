@@ -15,7 +15,7 @@ def test_bad_arguments_are_rejected_before_anything_starts():
     with pytest.raises(TypeError, match="BreakableCUDAGraph"):
         bg.BreakableCUDAGraphCapture(object())
     for stream in ("side", torch.Stream(device="cpu")):  # a GPU's torch.Stream is taken: tests/gpu/test_streams.py
-        with pytest.raises(TypeError, match="stream must be a GPU's torch.cuda.Stream or torch.Stream"):
+        with pytest.raises(TypeError, match="stream must be a torch.cuda.Stream, a GPU's torch.Stream, or None; got (str 'side'|Stream)"):
             bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph(), stream=stream)
     with pytest.raises(ValueError, match="random_ops must be one of 'graph', 'break', 'error'"):
         bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph(), random_ops="ignore")

@@ -27,9 +27,9 @@ class BreakableCUDAGraphCapture:
 
     Arguments:
         graph (BreakableCUDAGraph): the graph to capture into.
-        stream (torch.cuda.Stream, optional): the capture stream (a GPU's generic
-            ``torch.Stream`` too). Default: one kept per thread. The default stream
-            is refused.
+        stream (torch.cuda.Stream or torch.Stream, optional): the capture stream, a
+            ``torch.cuda.Stream`` or a GPU's generic ``torch.Stream``. Default: one
+            kept per thread. The default stream is refused.
         options (CaptureOptions, optional): how the capture treats random ops,
             breaks and barriers. Default: ``CaptureOptions()``.
         **capture_options: any field of :class:`~breakgraph.CaptureOptions` by
@@ -47,7 +47,7 @@ class BreakableCUDAGraphCapture:
     def __init__(
         self,
         graph: BreakableCUDAGraph,
-        stream: torch.cuda.Stream | None = None,
+        stream: torch.cuda.Stream | torch.Stream | None = None,
         *,
         options: CaptureOptions | None = None,
         **capture_options: Any,
@@ -56,7 +56,7 @@ class BreakableCUDAGraphCapture:
             raise TypeError(f"expected a BreakableCUDAGraph, got {type(graph).__name__}")
         stream = runtime.as_cuda_stream(stream)
         if stream is not None and not isinstance(stream, torch.cuda.Stream):
-            raise TypeError(f"stream must be a GPU's torch.cuda.Stream or torch.Stream, or None; got {stream!r}")
+            raise TypeError(f"stream must be a torch.cuda.Stream, a GPU's torch.Stream, or None; got {type(stream).__name__} {stream!r}")
         self.graph = graph
         self.stream = stream
         self.options = CaptureOptions.build("BreakableCUDAGraphCapture", options, capture_options)
