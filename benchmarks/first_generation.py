@@ -37,7 +37,7 @@ import time
 import torch
 
 from benchmarks.common import benchmark_parser, device_meta, plot_grouped_bars, require_gpu, verdict, write_outputs
-from benchmarks.hf_generation import build_model, prompts, timed
+from benchmarks.hf_generation import build_model, capture_seconds, prompts, timed
 
 CASES = {
     "nothing": "nothing before",
@@ -65,9 +65,9 @@ def measure_one(case: str, mode: str, batch: int, shape: dict, prompt: int, new:
     elif case == "eager_step":
         with torch.no_grad():
             before_s = timed(lambda: model(ids[:, :1]))[0]
-    captured_before = _capture_seconds(generator)
+    captured_before = capture_seconds(generator.runner)
     first_s, first = timed(lambda: generator.generate(ids, new))
-    capture_s = _capture_seconds(generator) - captured_before
+    capture_s = capture_seconds(generator.runner) - captured_before
     warm = []
     for _ in range(repeats):
         seconds, again = timed(lambda: generator.generate(ids, new))
@@ -79,11 +79,6 @@ def measure_one(case: str, mode: str, batch: int, shape: dict, prompt: int, new:
         "made_s": made_s, "before_s": before_s, "first_s": first_s, "capture_s": capture_s, "warm_s": warm_s,
         "first_over_warm": first_s / warm_s, "until_first_s": made_s + before_s + first_s,
     }
-
-
-def _capture_seconds(generator) -> float:
-    """What the Generator's captures took so far."""
-    return sum(row["capture_ms"] for row in generator.runner.report(print_table=False)["rows"]) / 1000
 
 
 def run_fresh(case: str, mode: str, batch: int, args) -> dict:

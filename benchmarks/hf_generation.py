@@ -51,6 +51,11 @@ def timed(fn) -> tuple[float, object]:
     return time.perf_counter() - start, result
 
 
+def capture_seconds(runner) -> float:
+    """What a ``breakgraph`` runner's captures took so far, every size's together."""
+    return sum(row["capture_ms"] for row in runner.report(print_table=False)["rows"]) / 1000
+
+
 def warm_generations(generate, ids: torch.Tensor, new: int, repeats: int) -> dict:
     """The median of ``repeats`` warm generations (``warm_s``), decode tokens/s and ms per step,
     and the last generation's new tokens.

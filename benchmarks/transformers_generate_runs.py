@@ -9,6 +9,7 @@ shape is left from another variant. The child is ``transformers_generate`` itsel
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -19,7 +20,7 @@ import time
 import torch
 from torch._dynamo.utils import counters
 
-from benchmarks.hf_generation import model_generate, prompts, timed, warm_generations
+from benchmarks.hf_generation import capture_seconds, model_generate, prompts, timed, warm_generations
 from breakgraph import hf
 
 VARIANTS = {
@@ -37,8 +38,8 @@ SAMPLING = {"do_sample": True, "temperature": 0.7, "top_k": 50, "top_p": 0.9}
 
 
 def generator_for(variant: str, model, batch: int, max_length: int):
-    """``(generate, capture_seconds, background)``: ``generate(input_ids, new_tokens) -> tokens``
-    the variant's way; ``capture_seconds()``, what breakgraph's captures took so far, which the
+    """``(generate, captured, background)``: ``generate(input_ids, new_tokens) -> tokens``
+    the variant's way; ``captured()``, what breakgraph's captures took so far, which the
     first ``generate`` makes (None for transformers' paths, whose compile happens inside their
     first ``generate``); and the Generator that compiles in the background (None where none does)."""
     if variant in ("eager", "compile"):
@@ -53,16 +54,14 @@ def generator_for(variant: str, model, batch: int, max_length: int):
     background = generator if in_background else None
     runner = generator.sampling_runner if how == "sampling" else generator.runner
 
-    def capture_seconds():
-        return sum(row["capture_ms"] for row in runner.report(print_table=False)["rows"]) / 1000
-
+    captured = functools.partial(capture_seconds, runner)
     if how != "sampling":
-        return generator.generate, capture_seconds, background
+        return generator.generate, captured, background
 
     def generate(ids, new):
         return generator.generate(ids, new, **SAMPLING)
 
-    return generate, capture_seconds, background
+    return generate, captured, background
 
 
 def measure_one(variant: str, model, batch: int, prompt: int, new: int, repeats: int) -> dict:
@@ -74,11 +73,11 @@ def measure_one(variant: str, model, batch: int, prompt: int, new: int, repeats:
     ids = prompts(batch, prompt, model.config.vocab_size, seed=batch)
     torch.cuda.synchronize()
     started = time.perf_counter()
-    generate, capture_seconds, background = generator_for(variant, model, batch, prompt + new)
+    generate, captured, background = generator_for(variant, model, batch, prompt + new)
     generate(ids, new)  # the first generation: every compile, capture and first use of a shape is in it
     torch.cuda.synchronize()
     cold = time.perf_counter() - started
-    capture_s = capture_seconds() if capture_seconds is not None else None
+    capture_s = captured() if captured is not None else None
     compiled_s = compiling_tok_s = None
     if background is not None:
         served = []
