@@ -6,7 +6,9 @@ import argparse
 import json
 import random
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -60,6 +62,18 @@ def require_gpu(benchmark: str) -> None:
 def verdict(ratio: float, target: float, at_most: bool) -> str:
     """Whether ``ratio`` meets ``target`` (at most it, or at least it), as a target line says it."""
     return "met" if (ratio <= target if at_most else ratio >= target) else "NOT met"
+
+
+def run_child(module: str, arguments: list[str], env: dict, timeout: float, what: str) -> dict:
+    """``python -m module arguments --result FILE`` in a fresh process (a cold start, as a
+    server's): the JSON the child wrote to FILE. Raises with the child's output, naming
+    ``what`` it measured, where it fails."""
+    with tempfile.NamedTemporaryFile("r", suffix=".json") as result:
+        command = [sys.executable, "-m", module, *arguments, "--result", result.name]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+        if done.returncode != 0:
+            raise RuntimeError(f"{what} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+        return json.loads(Path(result.name).read_text())  # where the child wrote, however it wrote it
 
 
 def time_per_call_us(fn, iters: int, repeats: int = 5) -> float:

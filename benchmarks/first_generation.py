@@ -29,14 +29,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
 
-from benchmarks.common import benchmark_parser, device_meta, plot_grouped_bars, require_gpu, verdict, write_outputs
+from benchmarks.common import benchmark_parser, device_meta, plot_grouped_bars, require_gpu, run_child, verdict, write_outputs
 from benchmarks.hf_generation import build_model, capture_seconds, prompts, timed
 
 CASES = {
@@ -86,14 +84,9 @@ def run_fresh(case: str, mode: str, batch: int, args) -> dict:
     env = {name: value for name, value in os.environ.items() if name != "CUDA_MODULE_LOADING"}  # torch's default: lazy
     if case == "eager_loading":
         env["CUDA_MODULE_LOADING"] = "EAGER"
-    with tempfile.NamedTemporaryFile("r", suffix=".json") as result:
-        command = [sys.executable, "-m", "benchmarks.first_generation", "--one", case, "--modes", mode, "--batches", str(batch)]
-        command += ["--prompt", str(args.prompt), "--new", str(args.new), "--repeats", str(args.repeats), "--result", result.name]
-        command += ["--out", args.out] + (["--quick"] if args.quick else [])
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-        if done.returncode != 0:
-            raise RuntimeError(f"{mode}, {CASES[case]}, batch {batch} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
-        return json.loads(open(result.name).read())
+    arguments = ["--one", case, "--modes", mode, "--batches", str(batch), "--prompt", str(args.prompt), "--new", str(args.new)]
+    arguments += ["--repeats", str(args.repeats), "--out", args.out] + (["--quick"] if args.quick else [])
+    return run_child("benchmarks.first_generation", arguments, env, timeout=600, what=f"{mode}, {CASES[case]}, batch {batch}")
 
 
 def target_line(mode: str, batch: int, measured: dict) -> str:

@@ -10,16 +10,14 @@ shape is left from another variant. The child is ``transformers_generate`` itsel
 from __future__ import annotations
 
 import functools
-import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 
 import torch
 from torch._dynamo.utils import counters
 
+from benchmarks.common import run_child
 from benchmarks.hf_generation import capture_seconds, model_generate, prompts, timed, warm_generations
 from breakgraph import hf
 
@@ -100,12 +98,9 @@ def measure_one(variant: str, model, batch: int, prompt: int, new: int, repeats:
 
 def run_fresh(variant: str, batch: int, args) -> dict:
     """``measure_one`` in a fresh process with empty compile caches: cold, as a new server starts."""
-    with tempfile.TemporaryDirectory() as caches, tempfile.NamedTemporaryFile("r", suffix=".json") as result:
+    with tempfile.TemporaryDirectory() as caches:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{caches}/inductor", TRITON_CACHE_DIR=f"{caches}/triton")
-        command = [sys.executable, "-m", "benchmarks.transformers_generate", "--one", variant, "--batches", str(batch), "--result", result.name]
-        command += ["--prompt", str(args.prompt), "--new", str(args.new), "--dtype", args.dtype, "--repeats", str(args.repeats)]
-        command += ["--out", args.out] + (["--quick"] if args.quick else [])  # the child checks --out as the parent did
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
-        if done.returncode != 0:
-            raise RuntimeError(f"{VARIANTS[variant]} at batch {batch} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
-        return json.loads(open(result.name).read())
+        arguments = ["--one", variant, "--batches", str(batch), "--prompt", str(args.prompt), "--new", str(args.new)]
+        arguments += ["--dtype", args.dtype, "--repeats", str(args.repeats), "--out", args.out]  # the child checks --out as the parent did
+        arguments += ["--quick"] if args.quick else []
+        return run_child("benchmarks.transformers_generate", arguments, env, timeout=900, what=f"{VARIANTS[variant]} at batch {batch}")

@@ -128,13 +128,27 @@ def test_a_benchmark_names_the_option_a_misspelt_one_meant(name, monkeypatch, ca
     assert "error: unrecognized arguments: --quik; did you mean --quick?" in capsys.readouterr().err
 
 
+def test_a_child_process_hands_back_the_json_it_wrote_or_its_output_when_it_fails(tmp_path):
+    from benchmarks.common import run_child
+
+    (tmp_path / "child_writes.py").write_text(
+        "import json, sys\nargs = sys.argv[1:]\njson.dump({'args': args}, open(args[args.index('--result') + 1], 'w'))\n"
+    )
+    (tmp_path / "child_fails.py").write_text("import sys\nprint('it went wrong', file=sys.stderr)\nsys.exit(3)\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    measured = run_child("child_writes", ["--one", "x"], env, timeout=60, what="the child")
+    assert measured["args"][:3] == ["--one", "x", "--result"]
+    with pytest.raises(RuntimeError, match=r"the child failed:\n(.|\n)*it went wrong"):
+        run_child("child_fails", [], env, timeout=60, what="the child")
+
+
 def test_transformers_generates_children_check_the_parents_out_folder(monkeypatch, tmp_path):
     pytest.importorskip("transformers", reason="the transformers extra is not installed")
-    from benchmarks import transformers_generate_runs as runs
+    from benchmarks import common, transformers_generate_runs as runs
     from benchmarks.common import benchmark_parser
 
     commands = []
-    monkeypatch.setattr(runs.subprocess, "run", lambda command, **_: commands.append(command) or subprocess.CompletedProcess(command, 1, "", ""))
+    monkeypatch.setattr(common.subprocess, "run", lambda command, **_: commands.append(command) or subprocess.CompletedProcess(command, 1, "", ""))
     args = benchmark_parser("transformers_generate", "").parse_args(["--out", str(tmp_path)])
     args.prompt, args.new, args.dtype, args.repeats, args.quick = 16, 16, "float32", 1, True
     with pytest.raises(RuntimeError):
@@ -143,11 +157,11 @@ def test_transformers_generates_children_check_the_parents_out_folder(monkeypatc
 
 
 def test_first_generations_children_get_the_parents_settings_and_only_one_case_loads_kernels_eagerly(monkeypatch, tmp_path):
-    from benchmarks import first_generation as bench
+    from benchmarks import common, first_generation as bench
 
     calls = []
     monkeypatch.setenv("CUDA_MODULE_LOADING", "LAZY")  # the parent's own setting reaches no case
-    monkeypatch.setattr(bench.subprocess, "run", lambda command, env, **_: calls.append((command, env)) or subprocess.CompletedProcess(command, 1, "", ""))
+    monkeypatch.setattr(common.subprocess, "run", lambda command, env, **_: calls.append((command, env)) or subprocess.CompletedProcess(command, 1, "", ""))
     args = bench.parse(["--out", str(tmp_path), "--prompt", "16", "--new", "8", "--repeats", "2", "--quick"])
     for case in bench.CASES:
         with pytest.raises(RuntimeError, match=re.escape(f"full, {bench.CASES[case]}, batch 4 failed")):

@@ -482,10 +482,18 @@ def test_torchs_device_generic_streams_given_to_the_hooked_methods_are_tracked()
 
 
 def test_a_gpus_generic_stream_is_taken_as_the_capture_stream():
-    side = torch.cuda.Stream()
-    generic = torch.Stream(stream_id=side.stream_id, device_index=side.device_index, device_type=side.device_type)
-    assert type(generic) is torch.Stream
-    graph, _ = check_against_eager(generic_streams_around_a_break, [torch.randn(256, 256, device=DEV)], stream=generic)
+    chosen = torch.cuda.Stream(priority=-1)  # torch's high-priority pool: not SIDE or SIDE2, which the body forks
+    generic = torch.Stream(stream_id=chosen.stream_id, device_index=chosen.device_index, device_type=chosen.device_type)
+    assert type(generic) is torch.Stream and chosen.cuda_stream not in (SIDE.cuda_stream, SIDE2.cuda_stream)
+    captured_on = []
+
+    def body(x):
+        if torch.cuda.is_current_stream_capturing():
+            captured_on.append(torch.cuda.current_stream().cuda_stream)
+        return generic_streams_around_a_break(x)
+
+    graph, _ = check_against_eager(body, [torch.randn(256, 256, device=DEV)], stream=generic)
+    assert captured_on == [chosen.cuda_stream]
     assert graph.segments[0].kind == "graph"
     _originals_back()
 
