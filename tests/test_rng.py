@@ -14,6 +14,7 @@ from breakgraph.base import context
 from breakgraph.recording import recorder, rng
 from breakgraph.recording.dispatch import is_random_op_refusal
 from breakgraph.base.options import CaptureOptions
+from breakgraph.recording.streams import StreamJoinError
 
 VERSIONS = ["2.8.0", "2.9.1", "2.10.0", "2.11.0+cu130", "2.12.0", "2.12.0.dev20260301+cu130", "2.13.0+cpu", "2.14.0", "2.14.1"]
 
@@ -210,3 +211,25 @@ def test_the_segment_a_random_op_ended_is_launched_as_part_of_the_one_torch_reco
     assert type(only).__name__ == "TorchGraphSegment" and only.index == 0
     assert only.name == "graph start -> end" and only.num_nodes == 3 + 2
     assert stand_ins[-3:] == [("prepend", "raw", "to", "torch's"), ("destroy", "raw"), "torch instantiate"]
+
+
+def test_a_segment_torch_could_not_end_keeps_its_generators_claimed_until_the_abort_lets_them_go(stand_ins, monkeypatch):
+    refusals = iter([None, RuntimeError("CUDA error: capturing stream has unjoined work")])  # after the pool's first, empty one
+
+    def capture_end(graph):
+        stand_ins.append("torch capture_end")
+        failure = next(refusals, None)
+        if failure is not None:
+            raise failure
+
+    monkeypatch.setattr(FakeTorchGraph, "capture_end", capture_end)
+    default = torch.cuda.default_generators[0]
+    active = recorder.start(FakePool(), FakeStream.the, CaptureOptions(), record_addresses=False)
+    try:
+        torch.rand(4)  # torch records the segment from here on
+        with pytest.raises(StreamJoinError, match="the segment before f\\(\\) cannot end"):
+            active.run_break(lambda: None, (), {}, "f")
+        assert id(default) in rng._held  # released once, by the abort: not here as well
+    finally:
+        active.abort()
+    assert id(default) not in rng._held

@@ -11,9 +11,10 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from breakgraph_bindings import CaptureInfo, CaptureStatus
+from breakgraph_bindings import CaptureInfo, CaptureStatus, CudaError
 from breakgraph.recording import break_ordering
-from breakgraph.recording.streams import ForkJoinTracker, StreamJoinError
+from breakgraph.recording.dispatch import clearer_error
+from breakgraph.recording.streams import ForkJoinTracker, StreamJoinError, unseen_fork
 
 
 class RecordedBreak:
@@ -687,3 +688,24 @@ def test_the_writeback_waits_for_the_side_streams_which_then_wait_for_it(monkeyp
     ordering.before_writeback(0x77)
     ordering.after_writeback(0x77)
     assert calls == [("record done", 0x6), ("wait done", 0x77), ("record written", 0x77), ("wait written", 0x6)]
+
+
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        CudaError(904, "cudaStreamEndCapture"),  # the bindings' end of a segment
+        RuntimeError("CUDA error: capturing stream has unjoined work"),  # torch's, for a segment torch records
+    ],
+)
+def test_a_fork_breakgraph_did_not_see_is_named_at_the_break_where_its_segment_could_not_end(refusal):
+    error = unseen_fork(refusal, "reduce()")
+    assert isinstance(error, StreamJoinError)
+    assert str(error).startswith("the segment before reduce() cannot end: a stream forked into it")
+    assert "work.wait()" in str(error) and "torch.cuda.current_stream().wait_stream(side)" in str(error)
+    assert "the capture's end" in str(unseen_fork(refusal, "end"))
+    assert clearer_error(error, "graph") is None  # what it says is not rewritten as an op the capture refused
+
+
+def test_other_segment_end_failures_are_left_as_they_are():
+    assert unseen_fork(CudaError(901, "cudaStreamEndCapture"), "f()") is None  # invalidated
+    assert unseen_fork(ValueError("capturing stream has unjoined work"), "f()") is None

@@ -104,13 +104,18 @@ class Recorder:
         side_streams = self.tracker.segment_ending()
         name = f"graph {self._previous} -> {following}"
         index = len(self.segments)
-        if self.torch_capture is not None:  # on failure, abort() ends what is left of it
-            graph = self.torch_capture.end()
+        try:  # on failure, abort() ends what is left of the capture
+            graph = self.torch_capture.end() if self.torch_capture is not None else bindings.end_capture(self._handle)
+        except RuntimeError as error:
+            unjoined = streams.unseen_fork(error, following)
+            if unjoined is not None:
+                raise unjoined from error
+            raise
+        if self.torch_capture is not None:
             self.torch_capture, self.segment_open = None, False
             self.route_to_pool()
             self.segments.append(TorchGraphSegment(index, name, rng.borrowed_graph(graph), graph, side_streams=side_streams))
         else:
-            graph = bindings.end_capture(self._handle)
             self.segment_open = False
             conditional_nodes, self._conditional_nodes = self._conditional_nodes, 0
             self.segments.append(GraphSegment(index, name, graph, None, side_streams=side_streams, conditional_nodes=conditional_nodes))

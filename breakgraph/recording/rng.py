@@ -153,12 +153,12 @@ class TorchCapture:
             raise
 
     def end(self) -> torch.cuda.CUDAGraph:
-        """End the capture; the graph is ready to instantiate and replay."""
-        try:
-            with on_stream(self.stream):
-                self.graph.capture_end()
-        finally:
-            _release(self.generators)
+        """End the capture; the graph is ready to instantiate and replay. Where that fails, the
+        generators stay claimed until :meth:`abort`, which the failure calls for: released
+        twice, a claim another capture made in between would go with them."""
+        with on_stream(self.stream):
+            self.graph.capture_end()
+        _release(self.generators)
         return self.graph
 
     def abort(self) -> None:

@@ -102,6 +102,43 @@ def test_failure_at_segment_boundary_leaves_nothing_behind(monkeypatch, which):
     _assert_clean_state(caller)
 
 
+@bg.eager_on_graph
+def _row_sums(t):
+    return t.sum(dim=-1)
+
+
+@pytest.mark.parametrize("segment, boundary", [("ours", "break"), ("torchs", "break"), ("ours", "end")])
+def test_a_fork_no_hook_saw_is_refused_where_its_segment_ends_saying_how_to_join_it(segment, boundary):
+    caller, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    unseen = torch.Stream(stream_id=side.stream_id, device_index=side.device_index, device_type=side.device_type)
+
+    def body(x):
+        if segment == "torchs":
+            x = x + torch.rand_like(x)  # torch records the segment from this random op on
+        unseen.wait_stream(torch.accelerator.current_stream())  # the generic stream's own method: C code, no hook
+        with torch.cuda.stream(side):
+            y = x * 2
+        return _row_sums(y) if boundary == "break" else y
+
+    where = r"_row_sums\(\)" if boundary == "break" else "the capture's end"
+    graph = bg.BreakableCUDAGraph()
+    with pytest.raises(bg.StreamJoinError, match=rf"^the segment before {where} cannot end: .* work\.wait\(\)"):
+        with bg.BreakableCUDAGraphCapture(graph):
+            body(torch.randn(4, 8, device=DEV))
+    assert not graph.captured
+    assert bindings.capture_status(side) is bindings.CaptureStatus.NONE  # the side stream left the capture too
+    _assert_clean_state(caller)
+
+    def forked_and_joined_as_the_hooks_see(x):
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            y = x * 2
+        torch.cuda.current_stream().wait_stream(side)
+        return _row_sums(y)
+
+    check_against_eager(forked_and_joined_as_the_hooks_see, [torch.randn(4, 8, device=DEV)])  # the same stream serves again
+
+
 @pytest.mark.parametrize(
     "illegal, words",
     [
