@@ -1,5 +1,6 @@
-"""Random programs of ops, random ops, breaks and side-stream work, captured and compared with
-eager: on one thread or two capturing at once, in normal and in debug mode."""
+"""Random programs of ops, random ops, breaks, side-stream work (forked across a break, too) and
+events a break records for a later segment, captured and compared with eager: on one thread or
+two capturing at once, in normal and in debug mode."""
 
 import os
 
@@ -31,6 +32,32 @@ def eager_inplace(x, out):
     return out
 
 
+@bg.eager_on_graph
+def eager_half_on_side(x, out, side, done):
+    """A break that works on a side stream and records an event there, for a later segment to wait on."""
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.mul(x, 0.5, out=out)
+    done.record(side)
+
+
+def _event_from_break(x, buf, side):
+    done = torch.cuda.Event()  # made anew at every call, as a model may
+    eager_half_on_side(x, buf, side, done)
+    torch.cuda.current_stream().wait_event(done)
+    return buf + 1
+
+
+def _side_across_break(x, w, side):
+    """Side-stream work still forked while a break runs, joined after it."""
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        y = torch.relu(x @ w)
+    soft = eager_softmax(x)
+    torch.cuda.current_stream().wait_stream(side)
+    return y / 4 + soft
+
+
 def _side(x, w, side):
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -50,6 +77,8 @@ OPS = {
     "inplace_break": lambda x, w, buf, side: eager_inplace(x, buf) * 2,
     "split": lambda x, w, buf, side: (bg.break_graph(), x)[1],
     "side_stream": lambda x, w, buf, side: _side(x, w, side),
+    "side_across_break": lambda x, w, buf, side: _side_across_break(x, w, side),
+    "event_from_break": lambda x, w, buf, side: _event_from_break(x, buf, side),
     "dropout": lambda x, w, buf, side: torch.nn.functional.dropout(x, 0.3, training=True),
     "noise": lambda x, w, buf, side: x + torch.randn_like(x) * 0.1,
 }
