@@ -66,14 +66,26 @@ def verdict(ratio: float, target: float, at_most: bool) -> str:
 
 def run_child(module: str, arguments: list[str], env: dict, timeout: float, what: str) -> dict:
     """``python -m module arguments --result FILE`` in a fresh process (a cold start, as a
-    server's): the JSON the child wrote to FILE. Raises with the child's output, naming
-    ``what`` it measured, where it fails."""
+    server's): the JSON the child wrote to FILE. Raises, naming ``what`` it measured and
+    with the end of the child's output, where it fails, runs past ``timeout`` seconds or
+    writes no result."""
     with tempfile.NamedTemporaryFile("r", suffix=".json") as result:
         command = [sys.executable, "-m", module, *arguments, "--result", result.name]
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
-        if done.returncode != 0:
-            raise RuntimeError(f"{what} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
-        return json.loads(Path(result.name).read_text())  # where the child wrote, however it wrote it
+        try:
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as late:
+            raise RuntimeError(f"{what} ran past {timeout:g} s:{_output_tail(late.stdout, late.stderr)}") from None
+        written = Path(result.name).read_text()  # where the child wrote, however it wrote it
+        if done.returncode != 0 or not written:
+            failed = "failed" if done.returncode != 0 else "wrote no result"
+            raise RuntimeError(f"{what} {failed}:{_output_tail(done.stdout, done.stderr)}")
+        return json.loads(written)
+
+
+def _output_tail(stdout: str | bytes | None, stderr: str | bytes | None) -> str:
+    """The end of a child's output (a timeout hands it over as bytes)."""
+    text = [part.decode(errors="replace") if isinstance(part, bytes) else part or "" for part in (stdout, stderr)]
+    return f"\n{text[0][-3000:]}\n{text[1][-6000:]}"
 
 
 def time_per_call_us(fn, iters: int, repeats: int = 5) -> float:

@@ -128,7 +128,7 @@ def test_a_benchmark_names_the_option_a_misspelt_one_meant(name, monkeypatch, ca
     assert "error: unrecognized arguments: --quik; did you mean --quick?" in capsys.readouterr().err
 
 
-def test_a_child_process_hands_back_the_json_it_wrote_or_its_output_when_it_fails(tmp_path):
+def test_a_child_process_hands_back_the_json_it_wrote_or_its_output_where_it_fails_hangs_or_writes_nothing(tmp_path):
     from benchmarks.common import run_child
 
     (tmp_path / "child_writes.py").write_text(
@@ -140,6 +140,12 @@ def test_a_child_process_hands_back_the_json_it_wrote_or_its_output_when_it_fail
     assert measured["args"][:3] == ["--one", "x", "--result"]
     with pytest.raises(RuntimeError, match=r"the child failed:\n(.|\n)*it went wrong"):
         run_child("child_fails", [], env, timeout=60, what="the child")
+    (tmp_path / "child_forgets.py").write_text("print('measured, but not written')\n")
+    with pytest.raises(RuntimeError, match=r"the child wrote no result:\nmeasured, but not written"):
+        run_child("child_forgets", [], env, timeout=60, what="the child")
+    (tmp_path / "child_hangs.py").write_text("import time\nprint('started', flush=True)\ntime.sleep(60)\n")
+    with pytest.raises(RuntimeError, match=r"the child ran past 2 s:\nstarted"):
+        run_child("child_hangs", [], env, timeout=2, what="the child")
 
 
 def test_transformers_generates_children_check_the_parents_out_folder(monkeypatch, tmp_path):

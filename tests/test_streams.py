@@ -702,7 +702,10 @@ def test_a_fork_breakgraph_did_not_see_is_named_at_the_break_where_its_segment_c
     assert isinstance(error, StreamJoinError)
     assert str(error).startswith("the segment before reduce() cannot end: a stream forked into it")
     assert "work.wait()" in str(error) and "torch.cuda.current_stream().wait_stream(side)" in str(error)
-    assert "the capture's end" in str(unseen_fork(refusal, "end"))
+    assert str(unseen_fork(refusal, "end")).startswith("the segment before the capture's end cannot end")
+    assert str(unseen_fork(refusal, "aten.rand_like.default")).startswith(
+        "the segment before the random op aten.rand_like.default (a segment ends at its first random op"
+    )
     assert clearer_error(error, "graph") is None  # what it says is not rewritten as an op the capture refused
 
 

@@ -104,13 +104,7 @@ class Recorder:
         side_streams = self.tracker.segment_ending()
         name = f"graph {self._previous} -> {following}"
         index = len(self.segments)
-        try:  # on failure, abort() ends what is left of the capture
-            graph = self.torch_capture.end() if self.torch_capture is not None else bindings.end_capture(self._handle)
-        except RuntimeError as error:
-            unjoined = streams.unseen_fork(error, following)
-            if unjoined is not None:
-                raise unjoined from error
-            raise
+        graph = self._end_capture(following)
         if self.torch_capture is not None:
             self.torch_capture, self.segment_open = None, False
             self.route_to_pool()
@@ -119,6 +113,17 @@ class Recorder:
             self.segment_open = False
             conditional_nodes, self._conditional_nodes = self._conditional_nodes, 0
             self.segments.append(GraphSegment(index, name, graph, None, side_streams=side_streams, conditional_nodes=conditional_nodes))
+
+    def _end_capture(self, following: str):
+        """End the open segment's CUDA capture, ours or torch's, and return its graph. On failure
+        :meth:`abort` ends what is left; a fork CUDA found unjoined is named at ``following``."""
+        try:
+            return self.torch_capture.end() if self.torch_capture is not None else bindings.end_capture(self._handle)
+        except RuntimeError as error:
+            unjoined = streams.unseen_fork(error, following)
+            if unjoined is not None:
+                raise unjoined from error
+            raise
 
     def _instantiated(self) -> list[Segment]:
         """The segments in replay order, numbered again: graphs that captured nothing are

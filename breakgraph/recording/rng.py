@@ -153,9 +153,9 @@ class TorchCapture:
             raise
 
     def end(self) -> torch.cuda.CUDAGraph:
-        """End the capture; the graph is ready to instantiate and replay. Where that fails, the
-        generators stay claimed until :meth:`abort`, which the failure calls for: released
-        twice, a claim another capture made in between would go with them."""
+        """End the capture; the graph is ready to instantiate and replay. Where ending fails,
+        the generators stay claimed until :meth:`abort` lets them go: released here as well,
+        a claim another capture made in between would be dropped by the abort."""
         with on_stream(self.stream):
             self.graph.capture_end()
         _release(self.generators)
@@ -164,11 +164,12 @@ class TorchCapture:
     def abort(self) -> None:
         """End the capture after a failure and let the graph go.
 
-        When CUDA invalidated the capture, its end fails, and torch's ``capture_end``
-        raises before it disarms the generators and stops routing allocations to the
-        pool (a pool that dies while allocations are routed aborts the process). So
-        torch is given an empty capture on the same stream to end instead, and ends
-        its capture as after a success; should that fail too, the routing is stopped.
+        When CUDA invalidated the capture, or refused to end it in :meth:`end` (the
+        stream captures nothing then), torch's ``capture_end`` raises before it disarms
+        the generators and stops routing allocations to the pool (a pool that dies while
+        allocations are routed aborts the process). So torch is given an empty capture on
+        the same stream to end instead, and ends its capture as after a success; should
+        that fail too, the routing is stopped.
         """
         stream = self.stream
         try:

@@ -45,20 +45,26 @@ class StreamJoinError(RuntimeError):
 _UNJOINED = "capturing stream has unjoined work"  # cudaErrorStreamCaptureUnjoined's text, in torch's errors and ours
 
 
-def unseen_fork(error: BaseException, boundary: str) -> StreamJoinError | None:
-    """CUDA's refusal to end the segment before ``boundary`` (a break's name, or "end") for a
-    stream forked into it and never joined, as an error that says why breakgraph did not join
-    it and how to; None for any other error."""
+def unseen_fork(error: BaseException, following: str) -> StreamJoinError | None:
+    """CUDA's refusal to end the segment before ``following`` (a break's call, ``cond()``,
+    ``while_loop()``, the random op where torch goes on recording, or "end") for a stream forked
+    into it and never joined, as an error that says why breakgraph did not join it and how to;
+    None for any other error."""
     if not isinstance(error, RuntimeError) or _UNJOINED not in str(error):
         return None
-    where = "the capture's end" if boundary == "end" else boundary
+    if following == "end":
+        where = "the capture's end"
+    elif following.endswith("()"):
+        where = following
+    else:
+        where = f"the random op {following} (a segment ends at its first random op, for torch to record the rest)"
     return StreamJoinError(
         f"the segment before {where} cannot end: a stream forked into it still has work the capture stream "
-        "does not wait on, and it was forked through code breakgraph's hooks do not see (a generic "
-        "torch.Stream's own wait_stream, or an event recorded in C++, such as an async collective's work "
-        f"object). Join it before {where}: torch.cuda.current_stream().wait_stream(side), or work.wait() for "
-        "an async collective; or fork it with torch.cuda.Stream.wait_stream or a torch.cuda.Event, which "
-        "breakgraph sees and joins at every break"
+        "does not wait on, forked where breakgraph's hooks do not see (a generic torch.Stream's own "
+        "wait_stream, or an event recorded in C++, such as an async collective's). Join it before that "
+        "point: torch.cuda.current_stream().wait_stream(side), or work.wait() for an async collective; or fork "
+        "it with torch.cuda.Stream.wait_stream or a torch.cuda.Event, which breakgraph sees and joins at "
+        "every break"
     )  # CUDA's own words stay in the cause: here they would read as an op the capture refused
 
 

@@ -107,9 +107,12 @@ def _row_sums(t):
     return t.sum(dim=-1)
 
 
-@pytest.mark.parametrize("segment, boundary", [("ours", "break"), ("torchs", "break"), ("ours", "end")])
+@pytest.mark.parametrize(
+    "segment, boundary", [("ours", "break"), ("torchs", "break"), ("ours", "end"), ("torchs", "end"), ("ours", "random op")]
+)
 def test_a_fork_no_hook_saw_is_refused_where_its_segment_ends_saying_how_to_join_it(segment, boundary):
-    caller, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    caller = torch.cuda.current_stream()
+    side = torch.cuda.Stream(priority=-1)  # torch's high-priority pool: never the capture stream
     unseen = torch.Stream(stream_id=side.stream_id, device_index=side.device_index, device_type=side.device_type)
 
     def body(x):
@@ -118,13 +121,15 @@ def test_a_fork_no_hook_saw_is_refused_where_its_segment_ends_saying_how_to_join
         unseen.wait_stream(torch.accelerator.current_stream())  # the generic stream's own method: C code, no hook
         with torch.cuda.stream(side):
             y = x * 2
-        return _row_sums(y) if boundary == "break" else y
+        if boundary == "break":
+            return _row_sums(y)
+        return y + torch.rand_like(y) if boundary == "random op" else y
 
-    where = r"_row_sums\(\)" if boundary == "break" else "the capture's end"
-    graph = bg.BreakableCUDAGraph()
-    with pytest.raises(bg.StreamJoinError, match=rf"^the segment before {where} cannot end: .* work\.wait\(\)"):
+    where = {"break": r"_row_sums\(\)", "end": "the capture's end", "random op": r"the random op aten\.rand_like\.default"}[boundary]
+    graph, x = bg.BreakableCUDAGraph(), torch.randn(4, 8, device=DEV)  # drawn before: inside, torch would record from it
+    with pytest.raises(bg.StreamJoinError, match=rf"^the segment before {where}.* cannot end: .* work\.wait\(\)"):
         with bg.BreakableCUDAGraphCapture(graph):
-            body(torch.randn(4, 8, device=DEV))
+            body(x)
     assert not graph.captured
     assert bindings.capture_status(side) is bindings.CaptureStatus.NONE  # the side stream left the capture too
     _assert_clean_state(caller)
