@@ -21,7 +21,7 @@ TIMEOUT_S = 240  # above the programs' own STALLED_S, so that a stalled rank's s
 
 
 def test_every_program_is_found():
-    assert {"async_collectives", "collectives", "failures", "runner", "peer_dies", "hf_generate"} <= set(PROGRAMS)
+    assert {"collectives", "failures", "runner", "peer_dies", "hf_generate"} <= set(PROGRAMS)
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=lambda world: f"{world}gpus")
