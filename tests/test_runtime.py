@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -17,9 +18,26 @@ def test_debug_env_switch(monkeypatch):
     assert bg.BreakableCUDAGraph().debug is True
 
 
-def test_eager_fallback_reason_names_the_switch(monkeypatch):
+def test_eager_fallback_reason_names_the_switch_as_it_was_set(monkeypatch):
     monkeypatch.setenv("BREAKGRAPH_DISABLE", "1")
     assert runtime.eager_fallback_reason() == "BREAKGRAPH_DISABLE=1 is set"
+    monkeypatch.setenv("BREAKGRAPH_DISABLE", " Yes")
+    assert runtime.eager_fallback_reason() == "BREAKGRAPH_DISABLE=Yes is set"
+
+
+@pytest.mark.parametrize("value", ["2", "enable", "y"])
+def test_a_switch_neither_on_nor_off_is_taken_as_off_with_a_warning(monkeypatch, value):
+    monkeypatch.setenv("BREAKGRAPH_DISABLE", value)
+    with pytest.warns(UserWarning, match=rf"BREAKGRAPH_DISABLE='{value}' is neither on \(1, true, yes, on\) nor off"):
+        assert runtime.capture_disabled() is False
+
+
+@pytest.mark.parametrize("value", ["", "0", "off", "No", "1", "TRUE"])
+def test_a_switch_on_or_off_warns_of_nothing(monkeypatch, value):
+    monkeypatch.setenv("BREAKGRAPH_DEBUG", value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert runtime.debug_requested() is (value.lower() in ("1", "true"))
 
 
 def test_a_driver_that_cuda_bindings_cannot_use_is_explained(monkeypatch):

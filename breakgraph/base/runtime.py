@@ -20,10 +20,21 @@ import torch
 T = TypeVar("T")
 
 _TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"", "0", "false", "no", "off"}
 
 
 def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in _TRUE
+    """Whether the switch ``name`` is on; a value that is neither on nor off is taken as off,
+    with a warning, rather than silently."""
+    value = os.environ.get(name, "").strip().lower()
+    if value not in _TRUE and value not in _FALSE:
+        warn_user(f"{name}={os.environ[name]!r} is neither on (1, true, yes, on) nor off (0, false, no, off): taken as off. Set one of those.")
+    return value in _TRUE
+
+
+def _switch_as_set(name: str) -> str:
+    """``name=value`` as the environment has it, for messages that blame the switch."""
+    return f"{name}={os.environ.get(name, '').strip()}"
 
 
 def debug_requested(explicit: bool | None = None) -> bool:
@@ -104,7 +115,7 @@ def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
 def eager_fallback_reason() -> str | None:
     """Why the callable forms run eagerly here (no usable GPU, or ``BREAKGRAPH_DISABLE=1``), or None."""
     if capture_disabled():
-        return "BREAKGRAPH_DISABLE=1 is set"
+        return f"{_switch_as_set('BREAKGRAPH_DISABLE')} is set"
     return cuda_problem()
 
 
@@ -119,7 +130,7 @@ def require_capture(what: str) -> None:
     """Refuse a capture that cannot happen here, pointing to the callable form that can."""
     if capture_disabled():
         raise RuntimeError(
-            f"BREAKGRAPH_DISABLE=1 is set, and {what} cannot be re-run eagerly at replay. Use "
+            f"{_switch_as_set('BREAKGRAPH_DISABLE')} is set, and {what} cannot be re-run eagerly at replay. Use "
             "breakgraph.graphed(fn, *args) (or GraphRunner), which falls back to calling fn eagerly."
         )
     problem = cuda_problem()
