@@ -141,3 +141,34 @@ def test_a_failed_claim_leaves_the_stream_to_its_holder():
         assert isinstance(_claim_from_another_thread(stream), RuntimeError)
         assert isinstance(_claim_from_another_thread(stream), RuntimeError)
     assert _claim_from_another_thread(stream) is None
+
+
+def test_captures_without_a_stream_take_breakgraphs_own_one_per_capture_at_once(monkeypatch):
+    """No ``stream=``: a capture takes one of breakgraph's own streams that no capture holds,
+    a new one only while every one is held, and the same one again once it is free."""
+    import threading
+
+    import torch
+
+    made = []
+    monkeypatch.setattr(runtime, "own_stream", lambda device: made.append(_Stream(0x9000 + len(made))) or made[-1])
+    monkeypatch.setattr(runtime, "_own_streams", {})
+    device = torch.device("cuda", 0)
+    holding, release, taken = threading.Event(), threading.Event(), []
+
+    def other_capture():
+        with runtime.claim_capture_stream(device) as stream:
+            taken.append(stream)
+            holding.set()
+            release.wait()
+
+    with runtime.claim_capture_stream(device) as first:
+        thread = threading.Thread(target=other_capture)
+        thread.start()
+        holding.wait()  # both held now
+        release.set()
+        thread.join()
+    assert taken[0] is not first and made == [first, taken[0]]
+    with runtime.claim_capture_stream(device) as again:
+        assert again is first  # free again: taken, not made
+    assert len(made) == 2 and not runtime._claims

@@ -151,23 +151,23 @@ def as_cuda_stream(stream):
     return stream
 
 
-_kept_streams = threading.local()
+_own_streams: dict[int, list[torch.cuda.Stream]] = {}  # device index -> capture streams breakgraph made
 _claims: dict[int, tuple[int, str, int]] = {}  # stream handle -> (thread id, thread name, depth)
 _claims_lock = threading.Lock()
-_POOLED_STREAMS = 32  # torch's pool per device and priority, handed out round robin
 
 
 @contextlib.contextmanager
 def claim_capture_stream(device: torch.device, stream: torch.cuda.Stream | None = None):
-    """Hold ``stream`` (by default this thread's kept capture stream) for one capture on
+    """Hold ``stream`` (by default a capture stream of breakgraph's own) for one capture on
     ``device``, and yield it. A thread may claim a stream it holds again; a stream another
-    thread's capture holds is refused with a clear error (CUDA's would not be). This
-    thread's kept stream (``torch.cuda.graph`` keeps one per process) is never one another
-    capture holds: torch's pool hands its streams out again, so a new one is drawn then."""
+    thread's capture holds is refused with a clear error (CUDA's would not be). breakgraph's
+    own streams are made outside torch's pool, which hands its 32 streams per device out
+    again (to NCCL's internal stream, to a model's ``torch.cuda.Stream()``), so no other
+    code queues work on them; one is made for each capture that runs at once."""
     thread, name = threading.get_ident(), threading.current_thread().name
     with _claims_lock:
         if stream is None:
-            stream = _kept_stream(device)
+            stream = _free_own_stream(device)
         handle = stream.cuda_stream
         owner, owner_name, depth = _claims.get(handle, (thread, name, 0))
         if owner != thread:
@@ -186,24 +186,24 @@ def claim_capture_stream(device: torch.device, stream: torch.cuda.Stream | None 
                 _claims[handle] = (thread, name, depth - 1)
 
 
-def _kept_stream(device: torch.device) -> torch.cuda.Stream:
-    """This thread's capture stream on ``device``, redrawn while another thread holds it
-    (call under ``_claims_lock``)."""
-    kept = _kept_streams.__dict__.setdefault("by_device", {})
-    for _ in range(_POOLED_STREAMS + 1):
-        stream = kept.get(device.index)
-        if stream is not None and not _held_by_another_thread(stream):
+def _free_own_stream(device: torch.device) -> torch.cuda.Stream:
+    """One of breakgraph's own capture streams on ``device`` that no capture holds, made
+    if all are held (call under ``_claims_lock``). Kept for the process's life: the
+    allocator's blocks remember their stream."""
+    streams = _own_streams.setdefault(device.index, [])
+    for stream in streams:
+        if stream.cuda_stream not in _claims:
             return stream
-        kept[device.index] = torch.cuda.Stream(device)
-    raise RuntimeError(
-        f"every stream in torch's pool for {device} is being captured on by other threads; "
-        "pass each capture a stream of its own (stream=...)"
-    )
+    streams.append(own_stream(device))
+    return streams[-1]
 
 
-def _held_by_another_thread(stream: torch.cuda.Stream) -> bool:
-    """Whether another thread's capture holds ``stream`` (call under ``_claims_lock``)."""
-    return _claims.get(stream.cuda_stream, (threading.get_ident(),))[0] != threading.get_ident()
+def own_stream(device: torch.device) -> torch.cuda.Stream:
+    """A new non-blocking stream on ``device`` that torch's pool never hands out."""
+    import breakgraph_bindings as bindings
+
+    with torch.cuda.device(device):
+        return torch.cuda.ExternalStream(bindings.new_stream(), device=device)
 
 
 _body_streams = threading.local()
@@ -216,10 +216,7 @@ def body_stream(device: torch.device, depth: int) -> torch.cuda.Stream:
     again, and kept for the thread's life: the allocator's blocks remember their stream."""
     kept = _body_streams.__dict__.setdefault("by_device", {}).setdefault(device.index, [])
     while len(kept) <= depth:
-        import breakgraph_bindings as bindings
-
-        with torch.cuda.device(device):
-            kept.append(torch.cuda.ExternalStream(bindings.new_stream(), device=device))
+        kept.append(own_stream(device))
     return kept[depth]
 
 

@@ -28,8 +28,8 @@ class BreakableCUDAGraphCapture:
     Arguments:
         graph (BreakableCUDAGraph): the graph to capture into.
         stream (torch.cuda.Stream or torch.Stream, optional): the capture stream, a
-            ``torch.cuda.Stream`` or a GPU's generic ``torch.Stream``. Default: one
-            kept per thread. The default stream is refused.
+            ``torch.cuda.Stream`` or a GPU's generic ``torch.Stream``. Default: a
+            stream of breakgraph's own, outside torch's pool. The default stream is refused.
         options (CaptureOptions, optional): how the capture treats random ops,
             breaks and barriers. Default: ``CaptureOptions()``.
         **capture_options: any field of :class:`~breakgraph.CaptureOptions` by

@@ -112,7 +112,7 @@ def _row_sums(t):
 )
 def test_a_fork_no_hook_saw_is_refused_where_its_segment_ends_saying_how_to_join_it(segment, boundary):
     caller = torch.cuda.current_stream()
-    side = torch.cuda.Stream(priority=-1)  # torch's high-priority pool: never the capture stream
+    side = torch.cuda.Stream()
     unseen = torch.Stream(stream_id=side.stream_id, device_index=side.device_index, device_type=side.device_type)
 
     def body(x):

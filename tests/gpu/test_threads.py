@@ -68,12 +68,12 @@ def _check_scaled(graph, x, out):
     assert_close(out, fresh * 3.0 + 1.0)
 
 
-def test_a_thread_whose_kept_capture_stream_another_thread_is_capturing_on_draws_another():
-    """Torch's pool has wrapped around: the stream thread B would take for its capture is the
-    one thread A is capturing on. B captures on another one, and both graphs replay right."""
+def test_captures_at_once_take_streams_of_their_own_that_torchs_pool_never_hands_out():
+    """Two threads capture at once on their own streams, neither ever one of torch's 32 pooled
+    streams (which NCCL's internal stream and a model's ``torch.cuda.Stream()`` come from);
+    once both have ended, the next capture takes one of those two again rather than a new one."""
     x_a, x_b = torch.randn(1024, device="cuda"), torch.randn(1024, device="cuda")
     buf_a, buf_b = torch.empty_like(x_a), torch.empty_like(x_b)
-    before_a = torch.cuda.Stream()  # thread A's capture stream is the pool's next one
     results = {}
 
     def thread_a(barrier):
@@ -87,17 +87,21 @@ def test_a_thread_whose_kept_capture_stream_another_thread_is_capturing_on_draws
 
     def thread_b(barrier):
         barrier.wait()
-        for _ in range(32):  # advance torch's pool to just before A's stream
-            if torch.cuda.Stream().cuda_stream == before_a.cuda_stream:
-                break
         results["b"] = _capture_scaled(x_b, buf_b)
         barrier.wait()
 
     run_together([thread_a, thread_b])
     (graph_a, out_a, stream_a), (graph_b, out_b, stream_b) = results["a"], results["b"]
-    assert stream_a.cuda_stream != stream_b.cuda_stream
+    used = {stream_a.cuda_stream, stream_b.cuda_stream}
+    assert len(used) == 2
+    pooled = {torch.cuda.Stream().cuda_stream for _ in range(64)}  # every stream of the pool, twice round
+    assert not used & pooled
     _check_scaled(graph_a, x_a, out_a)
     _check_scaled(graph_b, x_b, out_b)
+    for _ in range(3):
+        graph, out, stream = _capture_scaled(x_a, buf_a)
+        assert stream.cuda_stream in used
+        _check_scaled(graph, x_a, out)
 
 
 def test_two_captures_on_one_stream_at_once_fail_clearly_and_the_first_goes_on():
