@@ -51,6 +51,17 @@ def test_a_random_op_refusal_says_what_fixes_it_in_each_mode(mode, advice):
     assert f"random_ops={mode!r}" in text and advice in text
 
 
+@pytest.mark.parametrize("library", ["CUBLAS", "CUSOLVER"])
+def test_a_librarys_first_use_in_a_capture_says_to_run_the_code_once_eagerly_first(library):
+    """torch's words when cuBLAS (or another library) creates its handle inside a capture."""
+    error = raised(f"CUDA error: {library}_STATUS_NOT_INITIALIZED when calling `{library.lower()}Create(handle)`")
+    clearer = clearer_error(error, "graph")
+    assert isinstance(clearer, UncapturableOpError)
+    text = str(clearer)
+    assert "raise RuntimeError" in text and "first use in this thread" in text and "once eagerly first" in text
+    assert clearer_error(raised(f"{library}_STATUS_NOT_INITIALIZED"), "graph") is None  # not a handle's creation
+
+
 def test_other_errors_and_clear_ones_are_left_alone():
     assert clearer_error(raised("shape mismatch"), "graph") is None
     assert clearer_error(ValueError("operation not permitted when stream is capturing"), "graph") is None

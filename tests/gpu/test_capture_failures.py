@@ -1,5 +1,7 @@
 """A capture that fails leaves nothing behind, and what cannot be captured is refused clearly."""
 
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -105,6 +107,36 @@ def test_failure_at_segment_boundary_leaves_nothing_behind(monkeypatch, which):
 @bg.eager_on_graph
 def _row_sums(t):
     return t.sum(dim=-1)
+
+
+_FIRST_MATMUL_IN_A_CAPTURE = """
+import torch, breakgraph as bg
+x = torch.randn(64, 64, device="cuda")
+try:
+    with bg.BreakableCUDAGraphCapture(bg.BreakableCUDAGraph()):
+        y = x @ x
+except bg.UncapturableOpError as error:
+    print("refused:", error)
+assert not bg.is_capturing()
+x @ x  # the warm-up the error asks for
+graph = bg.BreakableCUDAGraph()
+with bg.BreakableCUDAGraphCapture(graph):
+    y = x @ x
+x.copy_(torch.randn_like(x))
+y.fill_(float("nan"))
+graph.replay()
+torch.testing.assert_close(y, x @ x)
+print("ok", flush=True)
+"""
+
+
+def test_cublas_first_use_in_a_capture_says_to_run_the_code_once_eagerly_first():
+    """In a fresh process, where cuBLAS has no handle yet: its creation inside the capture is
+    refused with the remedy, and once warmed up the same capture replays like eager."""
+    done = subprocess.run([sys.executable, "-c", _FIRST_MATMUL_IN_A_CAPTURE], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "refused: `y = x @ x` (<string>:6) is its library's first use in this thread" in done.stdout, done.stdout
+    assert "Run the captured code once eagerly first" in done.stdout and done.stdout.strip().endswith("ok")
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ DEV = "cuda"
 def test_pool_shared_within_and_across_graphs_and_kept_across_reset():
     first = bg.BreakableCUDAGraph()
     x = torch.randn(256, 256, device=DEV)
+    x @ x  # cuBLAS makes this thread's handle at its first use, which a capture cannot hold
     with bg.BreakableCUDAGraphCapture(first):
         a = softmax_eager(x @ x) * 2
     pool = first.pool
