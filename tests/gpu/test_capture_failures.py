@@ -135,7 +135,7 @@ def test_cublas_first_use_in_a_capture_says_to_run_the_code_once_eagerly_first()
     refused with the remedy, and once warmed up the same capture replays like eager."""
     done = subprocess.run([sys.executable, "-c", _FIRST_MATMUL_IN_A_CAPTURE], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "refused: `y = x @ x` (<string>:6) is its library's first use in this thread" in done.stdout, done.stdout
+    assert "refused: (<string>:6) is its library's first use in this thread" in done.stdout, done.stdout
     assert "Run the captured code once eagerly first" in done.stdout and done.stdout.strip().endswith("ok")
 
 
