@@ -97,7 +97,6 @@ class RunnerMemory:
         """Free the executables (``keep_graphs``) or everything; see ``GraphRunner.release``."""
         if self.released is not None:
             raise RuntimeError("this GraphRunner is released already: call restore() first")
-        runtime.require_cuda("GraphRunner.release")
         taken_bytes, seconds = _measured(self._release_executables if keep_graphs else self._release_everything)
         self.released = Released.EXECUTABLES if keep_graphs else Released.EVERYTHING
         self.while_released = while_released
@@ -134,7 +133,12 @@ class RunnerMemory:
 
 def _measured(action: Callable[[], object]) -> tuple[int, float]:
     """Run ``action`` with the device idle before and after; return the device memory it
-    took (``cudaMemGetInfo``, negative when it freed some) and the seconds it took."""
+    took (``cudaMemGetInfo``, negative when it freed some; 0 without a GPU, where graphs
+    hold none) and the seconds it took."""
+    if runtime.cuda_problem() is not None:
+        started = time.perf_counter()
+        action()
+        return 0, time.perf_counter() - started
     torch.cuda.synchronize()
     free_before, started = bindings.free_device_memory(), time.perf_counter()
     action()

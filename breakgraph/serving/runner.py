@@ -249,19 +249,24 @@ class GraphRunner:
         between; they stay captured, and :meth:`capture` captures the rest) and estimate
         what the graphs of all sizes will hold (pool and executables: the probes measure
         their executables whatever ``measure_memory`` says). Call it before :meth:`capture`.
+        On the eager path (no GPU, or ``BREAKGRAPH_DISABLE=1``) it captures nothing and
+        estimates zero bytes: no graph will hold memory.
 
         Arguments:
             probes (int, optional): how many sizes per key to capture, at least 2. Default: 5.
         """
         require_count("probes", probes, least=2)  # the largest size and the smallest at least
-        if self.eager_reason is None:
-            self.inputs.require_cuda()
+        if self.eager_reason is not None:
+            return MemoryEstimate(pool_bytes=0, executable_bytes=0, probed_sizes=(), seconds=0.0)
+        self.inputs.require_cuda()
         return self._memory.estimate(self.sizes_by_key, probes)
 
     def release(self, keep_graphs: bool = False, while_released: str = "eager") -> dict:
         """Give the graphs' device memory back, as an engine going to sleep does. Outputs of
         earlier calls must not be used after a release. Returns the bytes freed
-        (``cudaMemGetInfo`` before and after) and the seconds it took.
+        (``cudaMemGetInfo`` before and after) and the seconds it took. Without a GPU
+        nothing is freed (0 bytes), and calls until :meth:`restore` behave as
+        ``while_released`` says, as with one.
 
         Arguments:
             keep_graphs (bool, optional): False (default) frees the pool and every
@@ -279,7 +284,8 @@ class GraphRunner:
         """Bring back what :meth:`release` gave up: instantiate the kept graphs again, or
         capture again the sizes that were captured; replays then match those before the release. Returns the device
         memory taken (``cudaMemGetInfo``) and the seconds it took."""
-        return self._memory.restore(self._capture_each)
+        eager_path = self.eager_reason is not None  # it captured nothing, and captures nothing again
+        return self._memory.restore(self._capture_each if not eager_path else lambda work: None)
 
     # -- report --------------------------------------------------------------------------
     def report(self, print_table: bool = True) -> dict:
