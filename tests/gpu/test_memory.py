@@ -244,3 +244,22 @@ def test_executable_memory_is_measured_only_when_asked():
     poison_(out)
     graph.replay()
     assert_close(out, normalized_model(x, w), 1e-4, 1e-4)
+
+
+def test_with_breakgraph_disabled_the_runner_estimates_nothing_and_releases_and_restores_eagerly(monkeypatch):
+    """BREAKGRAPH_DISABLE=1 on a GPU: no graph will hold memory, so the estimate captures
+    nothing and is zero; release and restore keep while_released's contract."""
+    monkeypatch.setenv("BREAKGRAPH_DISABLE", "1")
+    model = _model()
+    with pytest.warns(UserWarning, match="BREAKGRAPH_DISABLE"):
+        runner = _runner(model)
+    estimate = runner.estimate_memory()
+    assert (estimate.total_bytes, estimate.probed_sizes) == (0, ()) and runner.pool is None and not runner.graphs
+    x = torch.randn(5, 8, 64, device=DEV)
+    with torch.no_grad():
+        expected = model(x)
+        runner.release(while_released="raise")
+        with pytest.raises(RuntimeError, match="released"):
+            runner(x)
+        assert runner.restore()["taken_bytes"] == 0 and runner.pool is None
+        assert_close(runner(x), expected)
