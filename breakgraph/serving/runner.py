@@ -257,7 +257,7 @@ class GraphRunner:
         """
         require_count("probes", probes, least=2)  # the largest size and the smallest at least
         if self.eager_reason is not None:
-            return MemoryEstimate(pool_bytes=0, executable_bytes=0, probed_sizes=(), seconds=0.0)
+            return MemoryEstimate(0, 0, probed_sizes=(), seconds=0.0)
         self.inputs.require_cuda()
         return self._memory.estimate(self.sizes_by_key, probes)
 
@@ -282,10 +282,10 @@ class GraphRunner:
 
     def restore(self) -> dict:
         """Bring back what :meth:`release` gave up: instantiate the kept graphs again, or
-        capture again the sizes that were captured; replays then match those before the release. Returns the device
-        memory taken (``cudaMemGetInfo``) and the seconds it took."""
-        eager_path = self.eager_reason is not None  # it captured nothing, and captures nothing again
-        return self._memory.restore(self._capture_each if not eager_path else lambda work: None)
+        capture again the sizes that were captured (on the eager path, none); replays then match
+        those before the release. Returns the device memory taken (``cudaMemGetInfo``) and the
+        seconds it took."""
+        return self._memory.restore(self._capture_each if self.eager_reason is None else lambda work: None)
 
     # -- report --------------------------------------------------------------------------
     def report(self, print_table: bool = True) -> dict:
