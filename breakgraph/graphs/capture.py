@@ -87,11 +87,14 @@ class BreakableCUDAGraphCapture:
             else:
                 self.graph.capture_abort()
         finally:
-            scope.close()
-            # The caller's later work follows what the capture stream ran, a failed capture's
-            # eager breaks too; after a failure only where CUDA still can: its error is the one to report.
-            with contextlib.nullcontext() if ended else contextlib.suppress(RuntimeError):
-                self._caller_stream.wait_stream(self._capture_stream)
+            try:
+                # The caller's later work follows what the capture stream ran, a failed capture's
+                # eager breaks too; after a failure only where CUDA still can: its error is the one
+                # to report. Before the stream is released: another capture may take it then.
+                with contextlib.nullcontext() if ended else contextlib.suppress(RuntimeError):
+                    self._caller_stream.wait_stream(self._capture_stream)
+            finally:
+                scope.close()
         clearer = None if exc_type is None else clearer_error(exc, self.options.random_ops)
         if clearer is not None:
             raise clearer from exc

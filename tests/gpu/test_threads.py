@@ -48,7 +48,7 @@ def test_new_threads_capture_while_torch_hands_its_pooled_streams_out_again():
 
 def _capture_scaled(x, buf, stream=None):
     """A graph of ``x * 3 + 1`` through ``buf`` (kept alive by the caller: the graph does not)
-    with a break in between, captured on ``stream`` (None: the thread's own capture stream);
+    with a break in between, captured on ``stream`` (None: a stream of breakgraph's own);
     returns the graph, its output and the stream it used."""
     graph = bg.BreakableCUDAGraph()
     with bg.BreakableCUDAGraphCapture(graph, stream=stream, capture_error_mode="thread_local"):
