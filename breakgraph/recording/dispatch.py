@@ -28,9 +28,9 @@ _CAPTURE_VIOLATION = re.compile(
     r"|CUDA generator not in capture mode"
 )
 
-# A library creating its handle at its first use in a thread (cuBLAS, cuBLASLt, cuSOLVER, ...),
-# which allocates device memory a capture refuses.
-_LAZY_HANDLE = re.compile(r"_STATUS_NOT_INITIALIZED when calling `\w+Create")
+# A library creating its handle at its first use in a thread, which allocates device memory a
+# capture refuses: torch's words for cuBLAS and cuBLASLt, and for cuSOLVER (with a comma).
+_LAZY_HANDLE = re.compile(r"_STATUS_NOT_INITIALIZED,? when calling `\w+Create")
 
 _INVALIDATED = re.compile(r"previous error during capture|cudaErrorStreamCaptureInvalidated")
 
@@ -121,7 +121,7 @@ def clearer_error(error: BaseException, random_ops: str) -> RuntimeError | None:
         return UncapturableOpError(
             f"{user_line(error)} is its library's first use in this thread on this device, which creates a handle "
             f"and allocates memory a capture cannot hold ({error}). Run the captured code once eagerly first, in "
-            "the thread that captures (graphed's warmup=1 and GraphRunner do), and capture again: nothing of this "
+            "the thread that captures (graphed's warmup=1 does), and capture again: nothing of this "
             "capture is left behind."
         )
     if is_capture_invalidated(error):
