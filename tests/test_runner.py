@@ -143,6 +143,8 @@ def test_without_a_gpu_release_and_restore_keep_their_contract_and_the_estimate_
         runner(x)
     with pytest.raises(RuntimeError, match="released already"):
         runner.release()
+    with pytest.raises(RuntimeError, match="released .* call runner.restore"):
+        runner.capture()
     taken = runner.restore()
     assert taken["taken_bytes"] == 0 and not runner.released
     torch.testing.assert_close(runner(x), x * 2)

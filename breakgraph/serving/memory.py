@@ -32,8 +32,9 @@ class RunnerMemory:
     and topology for all sizes of a key (:mod:`breakgraph.graphs.sharing`).
     """
 
-    def __init__(self, policy: CapturePolicy, keys: list[Hashable], share: bool):
+    def __init__(self, policy: CapturePolicy, keys: list[Hashable], share: bool, eager: bool):
         self.policy, self.keys, self.share = policy, keys, share
+        self.eager = eager  # the runner's eager path: no graph holds memory, so none is measured
         self._pool: OwnedPool | None = None
         self.refusals: dict[KeySize, list[Refusal]] = {}
         self.released: Released | None = None
@@ -75,6 +76,8 @@ class RunnerMemory:
         """Capture a few sizes of every key (they stay captured), measuring their
         executables, and extrapolate to every size."""
         runtime.require_cuda("GraphRunner.estimate_memory")
+        if self.released is not None:
+            raise RuntimeError("this GraphRunner is released (runner.release()): call runner.restore() first")
         if self.policy.graphed or self.policy.failed:
             raise RuntimeError("estimate_memory() captures its probes into an empty runner: call it before capture()")
         started = time.perf_counter()
@@ -97,7 +100,7 @@ class RunnerMemory:
         """Free the executables (``keep_graphs``) or everything; see ``GraphRunner.release``."""
         if self.released is not None:
             raise RuntimeError("this GraphRunner is released already: call restore() first")
-        taken_bytes, seconds = _measured(self._release_executables if keep_graphs else self._release_everything)
+        taken_bytes, seconds = _measured(self._release_executables if keep_graphs else self._release_everything, not self.eager)
         self.released = Released.EXECUTABLES if keep_graphs else Released.EVERYTHING
         self.while_released = while_released
         return {"freed_bytes": -taken_bytes, "seconds": seconds}
@@ -118,10 +121,10 @@ class RunnerMemory:
         if self.released is None:
             raise RuntimeError("this GraphRunner is not released: nothing to restore")
         if self.released is Released.EXECUTABLES:
-            taken_bytes, seconds = _measured(self._restore_executables)
+            taken_bytes, seconds = _measured(self._restore_executables, not self.eager)
         else:
             self.released = None  # capture captures only while nothing is released
-            taken_bytes, seconds = _measured(lambda: capture(self._captured_before))
+            taken_bytes, seconds = _measured(lambda: capture(self._captured_before), not self.eager)
         return {"taken_bytes": taken_bytes, "seconds": seconds}
 
     def _restore_executables(self) -> None:
@@ -131,11 +134,11 @@ class RunnerMemory:
         self.share_among_sizes()
 
 
-def _measured(action: Callable[[], object]) -> tuple[int, float]:
-    """Run ``action`` with the device idle before and after; return the device memory it
-    took (``cudaMemGetInfo``, negative when it freed some; 0 without a GPU, where graphs
-    hold none) and the seconds it took."""
-    if runtime.cuda_problem() is not None:
+def _measured(action: Callable[[], object], measure: bool) -> tuple[int, float]:
+    """Run ``action`` and return the device memory it took and the seconds it took: with
+    ``measure``, with the device idle before and after (``cudaMemGetInfo``, negative when
+    it freed some); else 0 bytes (the eager path, where no graph holds memory)."""
+    if not measure:
         started = time.perf_counter()
         action()
         return 0, time.perf_counter() - started

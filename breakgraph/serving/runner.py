@@ -91,7 +91,7 @@ class GraphRunner:
         group = self.options.group
         self.ranks = None if group is None else RankGroup(group, self.options.peer_timeout)
         self._policy = CapturePolicy(fn, self.inputs, self.modes, self.options, self.ranks)
-        self._memory = RunnerMemory(self._policy, self.keys, self.options.share_executables)
+        self._memory = RunnerMemory(self._policy, self.keys, self.options.share_executables, eager=self.eager_reason is not None)
         self._logged_eager = False
         self._output_checked = False  # without a GPU: the first output is checked as a capture's
         if self.eager_reason is not None:
@@ -134,10 +134,10 @@ class GraphRunner:
         if sizes is not None:
             chosen = set(known_sizes(sizes, [size for _key, size in work]))
             work = [(key, size) for key, size in work if size in chosen]
-        if self.eager_reason is not None:
-            return self
         if self._memory.released is not None:
             raise RuntimeError("this GraphRunner is released (runner.release()): call runner.restore() first, which captures again what was captured")
+        if self.eager_reason is not None:
+            return self
         self.inputs.require_cuda()
         if self.options.lazy:
             self._memory.ensure_pool()
